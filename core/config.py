@@ -1,0 +1,161 @@
+"""One validated, read-only config dataclass per component (STYLE.md §5).
+
+CLI flags map one to one onto these fields (``--max-model-len`` -> ``max_model_len``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says what would be accepted."""
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16, "float": torch.float32}
+
+
+def parse_dtype(name: str, device: str) -> torch.dtype:
+    """``auto`` means bfloat16 on a GPU and float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and how.
+
+    ``model`` is a GGUF file, a Hugging Face folder (config.json + safetensors), or ``None`` for
+    the embedded SmolLM2-135M-Instruct GGUF. ``load_format="dummy"`` builds random weights from
+    the folder's config.json alone.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"  # auto | gguf | hf | dummy
+    dtype: str = "auto"
+    device: str = field(default_factory=default_device)
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "gguf", "hf", "dummy"):
+            raise ConfigError(f"load_format must be auto, gguf, hf or dummy; got {self.load_format!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda; got {self.device!r}")
+        parse_dtype(self.dtype, self.device)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive; got {self.max_model_len}")
+        if self.model is not None and not os.path.exists(self.model):
+            raise ConfigError(f"model path {self.model!r} does not exist (bastion never downloads "
+                              "weights: pass a GGUF file or a Hugging Face folder)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype, self.device)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. ``kv_cache_memory_bytes`` overrides ``gpu_memory_utilization``
+    (on the CPU it is the budget, default 1 GiB). ``num_gpu_blocks_override`` fixes the pool size
+    (tests use it to force preemption)."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"block_size must be a power of two up to 256; got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]; "
+                              f"got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError("num_gpu_blocks_override must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be positive")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling policy must be fcfs or priority; got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None  # set: external load-balancer mode, one rank per server
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+    enable_expert_parallel: bool = False
+    distributed_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size and data_parallel_size must be positive")
+        if self.data_parallel_rank is not None and not (
+                0 <= self.data_parallel_rank < self.data_parallel_size):
+            raise ConfigError(f"data_parallel_rank must be in [0, {self.data_parallel_size}); "
+                              f"got {self.data_parallel_rank}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine core needs; built once, validated, then read-only."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def build_engine_config(**kwargs: Any) -> EngineConfig:
+    """Route flat keyword arguments (as the CLI and ``LLM(...)`` take them) to their component."""
+    parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}}
+    classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+               "parallel": ParallelConfig}
+    owners = {f.name: part for part, cls in classes.items() for f in dataclasses.fields(cls)}
+    for key, value in kwargs.items():
+        if key not in owners:
+            raise ConfigError(f"unknown engine option {key!r}")
+        parts[owners[key]][key] = value
+    return EngineConfig(**{part: classes[part](**vals) for part, vals in parts.items()})

@@ -1,0 +1,159 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Token ids arrive a few at a time; text must leave as soon as it is final. Two things make a
+character not final yet:
+
+- an incomplete UTF-8 sequence: byte-level tokenizers split one emoji or CJK character over
+  several tokens, and decoding a prefix of them gives U+FFFD. We decode a small window of tokens
+  twice (up to the last emitted token, and up to the newest) and only emit the difference once it
+  no longer ends in U+FFFD (the prefix/read-offset technique).
+- a possible stop string: the tail of the text that is a proper prefix of some stop string is
+  held back until the next token decides it (a match cuts it, anything else releases it), or
+  until ``flush()`` when the request ends for another reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+# Prompt tokens decoded ahead of the output so that the first output token decodes in context
+# (SentencePiece decoders strip the leading space of a window's first token).
+_NUM_PROMPT_CONTEXT_TOKENS = 6
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class DetokenizerDelta(NamedTuple):
+    """What one ``update`` produced.
+
+    ``text`` is the new text to send now. ``stop_string`` is the stop string that matched in
+    this update, or ``None``; once it is set the text was cut before the stop string (after it
+    when ``include_stop_str_in_output``) and every later update returns empty text.
+    """
+
+    text: str
+    stop_string: str | None
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text, a delta at a time.
+
+    ``tokenizer`` is a Hugging Face tokenizer (``convert_ids_to_tokens`` and
+    ``convert_tokens_to_string`` are all that is used). ``output_text`` is all text decoded so
+    far, including the tail held back because it may begin a stop string; after a stop string
+    matched it is the final, cut text.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                 include_stop_str_in_output: bool = False) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.output_text = ""
+        self.stop_string: str | None = None
+        self.is_finished = False
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        # The decoding window: _tokens[:_read_offset] is context whose text was already
+        # produced (the prompt's tail at first), the rest is pending.
+        context_ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
+        self._tokens: list[str] = self._to_tokens(context_ids)
+        self._read_offset = len(self._tokens)
+        self._num_emitted_chars = 0
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False
+               ) -> DetokenizerDelta:
+        """Add newly sampled ids and return the text that became final.
+
+        ``stop_terminated`` says the last id is the EOS or stop token that ended the request:
+        its text is then left out unless ``include_stop_str_in_output`` (as vLLM does).
+        """
+        if self.is_finished:
+            return DetokenizerDelta("", self.stop_string)
+        ids = list(new_token_ids)
+        if stop_terminated and ids and not self.include_stop_str_in_output:
+            ids.pop()
+        num_chars_before = len(self.output_text)
+        for token in self._to_tokens(ids):
+            self._tokens.append(token)
+            self.output_text += self._decode_pending(allow_incomplete=False)
+        if self.stop and self._match_stop(num_chars_before):
+            self.is_finished = True
+            return DetokenizerDelta(self._take(len(self.output_text)), self.stop_string)
+        return DetokenizerDelta(self._take(len(self.output_text) - self._num_held_chars()), None)
+
+    def flush(self) -> str:
+        """End of the request (length, EOS, abort): return everything still held back.
+
+        An incomplete UTF-8 sequence left at the end is decoded as U+FFFD, exactly as
+        ``tokenizer.decode`` of all ids would. Later calls return ``""``.
+        """
+        if self.is_finished:
+            return ""
+        num_chars_before = len(self.output_text)
+        self.output_text += self._decode_pending(allow_incomplete=True)
+        self.is_finished = True
+        if self.stop:
+            # A stop string cannot hide in held-back text (it would have matched already), but
+            # the forced decode above may complete one, e.g. a stop string that contains U+FFFD.
+            self._match_stop(num_chars_before)
+        return self._take(len(self.output_text))
+
+    def _to_tokens(self, ids: list[int]) -> list[str]:
+        if not ids:
+            return []
+        return self.tokenizer.convert_ids_to_tokens(ids,
+                                                    skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_pending(self, allow_incomplete: bool) -> str:
+        """Decode the window; return the new text once it is complete, else ``""``."""
+        if self._read_offset == len(self._tokens):
+            return ""
+        to_string = self.tokenizer.convert_tokens_to_string
+        prefix_text = to_string(self._tokens[:self._read_offset])
+        full_text = to_string(self._tokens)
+        if not allow_incomplete and (len(full_text) <= len(prefix_text)
+                                     or full_text.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        new_text = full_text[len(prefix_text):]
+        # NOTE: the tokens just decoded become the whole context of the next call and older
+        # ones are dropped, so each call decodes a handful of tokens, not the whole output.
+        del self._tokens[:self._read_offset]
+        self._read_offset = len(self._tokens)
+        return new_text
+
+    def _match_stop(self, num_chars_before: int) -> bool:
+        """Find the earliest stop string in the text added since ``num_chars_before``; on a
+        match, cut ``output_text`` and record it."""
+        best_index, best_stop = -1, ""
+        for stop in self.stop:
+            start = max(num_chars_before - len(stop) + 1, 0)
+            index = self.output_text.find(stop, start)
+            if index != -1 and (best_index == -1 or index < best_index):
+                best_index, best_stop = index, stop
+        if best_index == -1:
+            return False
+        end = best_index + len(best_stop) if self.include_stop_str_in_output else best_index
+        # NOTE: never cuts into emitted text: a stop string that started before this update
+        # had its beginning held back by _num_held_chars.
+        assert end >= self._num_emitted_chars
+        self.output_text = self.output_text[:end]
+        self.stop_string = best_stop
+        return True
+
+    def _num_held_chars(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        text = self.output_text
+        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(stop.startswith(tail) for stop in self.stop):
+                return length
+        return 0
+
+    def _take(self, end: int) -> str:
+        end = max(end, self._num_emitted_chars)
+        text = self.output_text[self._num_emitted_chars:end]
+        self._num_emitted_chars = end
+        return text

@@ -1,0 +1,86 @@
+"""The engine core: scheduler + KV manager + executor, one ``step()`` at a time.
+
+Process concerns (sockets, the busy loop, control) live in ``procs/engine.py``; this class is
+the same in-process (``LLM``) and behind ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from bastion.core.config import ConfigError, EngineConfig
+from bastion.core.executor import Executor
+from bastion.core.request import Request
+from bastion.core.scheduler import Scheduler
+from bastion.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+def compute_num_blocks(config: EngineConfig, bytes_per_block: int, available_bytes: int,
+                       max_model_len: int) -> int:
+    """Size the block pool; fail with needed/available memory when one request cannot fit."""
+    block_size = config.cache.block_size
+    if config.cache.num_gpu_blocks_override is not None:
+        num_blocks = config.cache.num_gpu_blocks_override
+    else:
+        num_blocks = max(available_bytes // bytes_per_block, 0)
+    needed_blocks = -(-max_model_len // block_size)
+    if num_blocks < needed_blocks:
+        largest = num_blocks * block_size
+        raise ConfigError(
+            f"max_model_len {max_model_len} needs {needed_blocks * bytes_per_block / 2**20:.1f} "
+            f"MiB of KV cache ({needed_blocks} blocks of {block_size} tokens) but only "
+            f"{num_blocks * bytes_per_block / 2**20:.1f} MiB ({num_blocks} blocks) is available; "
+            f"the largest max_model_len that fits is {largest}. Lower --max-model-len or give "
+            "the KV cache more memory (--gpu-memory-utilization / --kv-cache-memory-bytes).")
+    return num_blocks
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
+                 engine_id: int = 0) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.executor = executor
+        self.max_model_len = max_model_len
+        start = time.perf_counter()
+        bytes_per_block = executor.kv_cache_bytes_per_block()
+        num_blocks = compute_num_blocks(config, bytes_per_block,
+                                        executor.available_kv_cache_bytes(), max_model_len)
+        executor.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) in %.2f s", num_blocks,
+                    config.cache.block_size, num_blocks * bytes_per_block / 2**20,
+                    time.perf_counter() - start)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, execute, update: one batch through the model."""
+        if not self.scheduler.has_unfinished_requests:
+            outputs = self.scheduler.take_rejected()
+        else:
+            sched = self.scheduler.schedule()
+            result = self.executor.execute_model(sched)
+            outputs = self.scheduler.update_from_output(sched, result)
+        return EngineCoreOutputs(self.engine_id, outputs, self.scheduler.make_stats(),
+                                 time.time())
+
+    def reset_for_recovery(self) -> None:
+        """Drop running batches and KV state; keep requests queued to resume from their tokens."""
+        self.scheduler.requeue_all()
+        self.executor.reset()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

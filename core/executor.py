@@ -1,0 +1,52 @@
+"""Executors run a step's ``SchedulerOutput`` on the model runner(s).
+
+``UniProcExecutor`` holds the runner in the engine's own process (offline ``LLM`` and tests);
+the multi-process executor in ``procs/`` speaks the same interface to worker processes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from bastion.core.config import EngineConfig
+from bastion.core.model_runner import ModelRunner
+from bastion.ipc.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    def kv_cache_bytes_per_block(self) -> int: ...
+
+    def available_kv_cache_bytes(self) -> int: ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def reset(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+        self.runner = ModelRunner(config)
+        self.runner.load_model()
+        self.runner.eos_token_id = eos_token_id
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.runner.kv_cache_bytes_per_block()
+
+    def available_kv_cache_bytes(self) -> int:
+        return self.runner.available_kv_cache_bytes()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def shutdown(self) -> None:
+        pass

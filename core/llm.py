@@ -1,0 +1,106 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bastion.core.config import EngineConfig, build_engine_config
+from bastion.core.engine_core import EngineCore
+from bastion.core.executor import UniProcExecutor
+from bastion.core.loader import get_max_model_len, load_tokenizer, resolve_model
+from bastion.core.output_processor import OutputProcessor, fan_out
+from bastion.core.outputs import RequestOutput
+from bastion.ipc.messages import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine in this process, for batch generation.
+
+    ``LLM()`` with no model runs the embedded SmolLM2-135M-Instruct. Keyword arguments are the
+    engine options (``max_model_len``, ``block_size``, ``max_num_batched_tokens``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config: EngineConfig = build_engine_config(model=model, **kwargs)
+        resolved = resolve_model(self.config.model)
+        self.max_model_len = get_max_model_len(resolved.hf_config, self.config.model.max_model_len)
+        self.tokenizer = None
+        if not self.config.model.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(self.config.model, resolved)
+        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
+        if self.eos_token_id is None:
+            self.eos_token_id = getattr(resolved.hf_config, "eos_token_id", None)
+            if isinstance(self.eos_token_id, list):
+                self.eos_token_id = self.eos_token_id[0]
+        executor = UniProcExecutor(self.config, self.eos_token_id)
+        self.engine = EngineCore(self.config, executor, self.max_model_len)
+        self._counter = itertools.count()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``) as one
+        continuously batched workload; results come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        processor = OutputProcessor(self.tokenizer)
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params_list):
+            text, token_ids = self._tokenize(prompt)
+            parent = str(next(self._counter))
+            order.append(parent)
+            children = fan_out(parent, token_ids, p, self.eos_token_id, time.time())
+            choices = [processor.add(req, parent, i) for i, req in enumerate(children)]
+            results[parent] = RequestOutput(parent, text, token_ids, choices)
+            for req in children:
+                self.engine.add_request(req)
+        while self.engine.has_unfinished_requests or processor.seqs:
+            step = self.engine.step()
+            to_abort = []
+            for out in step.outputs:
+                delta, must_abort = processor.process(out)
+                if delta is None:
+                    continue
+                result = results[delta.parent_id]
+                result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+                if must_abort:
+                    to_abort.append(out.request_id)
+            if to_abort:
+                self.engine.abort_requests(to_abort)
+            if not step.outputs and not self.engine.has_unfinished_requests:
+                break
+        return [results[parent] for parent in order]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # The template already holds every special token, so nothing more is added.
+        prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(
+                        text, add_special_tokens=False)}
+                   for text in (self.tokenizer.apply_chat_template(
+                       c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                       for c in conversations)]
+        return self.generate(prompts, sampling_params)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)

@@ -1,0 +1,42 @@
+"""What a caller of the offline API (and the HTTP layer) gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    decoded: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    # Per generated token: {token id: TokenLogprob} with the sampled token and the top-N.
+    logprobs: list[dict[int, TokenLogprob]] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)

@@ -1,0 +1,80 @@
+"""Engine-side state of one request."""
+
+from __future__ import annotations
+
+import enum
+
+from bastion.ipc.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    """One sequence the scheduler owns: its tokens, progress and KV blocks.
+
+    NOTE: ``num_computed_tokens`` counts tokens whose KV is in the cache *or scheduled to be
+    written this step*; the scheduler advances it when it schedules, not when the step returns.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_id: int | None = None, arrival_time: float = 0.0,
+                 deadline: float | None = None, priority: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.deadline = deadline
+        self.priority = priority
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first schedule
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.block_hashes: list[int] = []  # chain hashes of this request's full blocks
+        self.num_preemptions = 0
+        self.pending_logprobs: list[Logprobs] = []
+
+    @classmethod
+    def from_engine_request(cls, req: EngineCoreRequest) -> Request:
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
+                   req.arrival_time, req.deadline, req.priority)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None,
+               error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+
+    def sort_key(self) -> tuple[int, float]:
+        """Priority order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time)

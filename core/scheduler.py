@@ -1,0 +1,261 @@
+"""Continuous batching: one token budget per step shared by decodes and chunked prefills."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from bastion.core.config import CacheConfig, SchedulerConfig
+from bastion.core.kv_cache_manager import KVCacheManager
+from bastion.core.request import Request, RequestStatus
+from bastion.ipc.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Policy, in order: running requests first (decodes and unfinished prefills), each taking
+    what it needs from the step's token budget; when blocks run out the lowest-priority running
+    request (the newest, under FCFS) is preempted by recompute; then waiting requests are
+    admitted while budget, ``max_num_seqs`` and blocks allow.
+    """
+
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int, max_model_len: int) -> None:
+        self.config = sched_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.known_by_workers: set[str] = set()
+        self.finished_ids: list[str] = []  # to tell the workers next step
+        self.rejected: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+        self.step_id = 0
+
+    # ---------------------------------------------------------------- admission and removal
+
+    def add_request(self, request: Request) -> None:
+        error = self._admission_error(request)
+        if error is not None:
+            request.finish(FinishReason.ERROR, error=error)
+            self.rejected.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
+                                                  error=error))
+            return
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _admission_error(self, request: Request) -> str | None:
+        if request.request_id in self.requests:
+            return f"request id {request.request_id!r} is already in use"
+        if request.num_prompt_tokens == 0:
+            return "the prompt is empty"
+        if request.num_tokens >= self.max_model_len:
+            return (f"the prompt has {request.num_prompt_tokens} tokens; this engine accepts at "
+                    f"most {self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        num_blocks = -(-min(request.num_tokens + 1, self.max_model_len) // self.block_size)
+        if num_blocks > self.kv.num_blocks:
+            return (f"the request needs {num_blocks} KV blocks but the pool has only "
+                    f"{self.kv.num_blocks}; it can never be scheduled")
+        return None
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            self.waiting.append(request)
+            self.waiting = deque(sorted(self.waiting, key=Request.sort_key))
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.finish(FinishReason.ABORT)
+            self._remove(request)
+            outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT))
+        return outputs
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        if request.request_id in self.known_by_workers:
+            self.known_by_workers.discard(request.request_id)
+            self.finished_ids.append(request.request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self._pick_victim(self.running[index:])
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                continue  # the request preempted itself; self.running shrank
+            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
+                                                 request.num_computed_tokens))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # NOTE: no admissions in a step that preempted: the pool is too tight to grow.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - request.num_computed_tokens - computed.num_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens += computed.num_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = computed.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_reqs.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, request.sampling_params,
+                self.kv.block_ids(request.request_id), request.num_computed_tokens,
+                list(request.output_token_ids)))
+            self.known_by_workers.add(request.request_id)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        for request_id, n in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += n
+        self.step_id += 1
+        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
+                              sum(num_scheduled.values()), self.finished_ids, self.step_id)
+        self.finished_ids = []
+        return out
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        # Only requests not yet scheduled this step are candidates (``candidates`` starts at the
+        # one asking for blocks), so nothing already in this step's batch is pulled out of it.
+        if self.config.policy == "priority":
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop the blocks and start over from the prompt plus outputs."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.request_id in self.known_by_workers:
+            self.known_by_workers.discard(request.request_id)
+            self.finished_ids.append(request.request_id)
+        self._enqueue(request, front=True)
+
+    # ------------------------------------------------------------------------------- update
+
+    def update_from_output(self, sched: SchedulerOutput,
+                           result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs, self.rejected = self.rejected, []
+        for i, request_id in enumerate(result.request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            token_id = result.sampled_token_ids[i]
+            request.append_output_token(token_id)
+            self._check_stop(request, token_id)
+            logprobs = result.logprobs[i] if i < len(result.logprobs) else None
+            outputs.append(EngineCoreOutput(
+                request_id, [token_id], request.finish_reason, request.stop_reason,
+                max(request.num_cached_tokens, 0), logprobs))
+            if request.is_finished:
+                self._remove(request)
+        outputs.extend(self._expire_deadlines())
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                request.finish(FinishReason.STOP)
+                return
+            if token_id in params.stop_token_ids:
+                request.finish(FinishReason.STOP, stop_reason=token_id)
+                return
+        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) \
+                or request.num_tokens >= self.max_model_len:
+            request.finish(FinishReason.LENGTH)
+
+    def _expire_deadlines(self) -> list[EngineCoreOutput]:
+        now = time.time()
+        expired = [r for r in self.requests.values() if r.deadline is not None and r.deadline < now]
+        outputs = []
+        for request in expired:
+            error = "the request's deadline passed before it could complete"
+            request.finish(FinishReason.ERROR, error=error)
+            self._remove(request)
+            outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
+                                            error=error))
+        return outputs
+
+    def take_rejected(self) -> list[EngineCoreOutput]:
+        outputs, self.rejected = self.rejected, []
+        return outputs
+
+    # ----------------------------------------------------------------------- fault handling
+
+    def requeue_all(self) -> None:
+        """Drop all KV state; keep every request, to be recomputed from prompt + outputs."""
+        for request in reversed(self.running):
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+        self.running.clear()
+        for request in self.waiting:
+            request.num_computed_tokens = 0
+        self.kv.reset()
+        self.known_by_workers.clear()
+        self.finished_ids.clear()
+
+    def make_stats(self) -> SchedulerStats:
+        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+                               self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
+                               self.step_id)
+        self.kv.prefix_queries = self.kv.prefix_hits = self.num_preemptions = 0
+        return stats

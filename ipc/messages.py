@@ -1,0 +1,235 @@
+"""Every type that crosses a process boundary.
+
+NOTE: all structs are ``array_like=True, omit_defaults=True, gc=False``; new fields are appended
+at the end with a default so that older peers keep decoding. Enums on the wire are ``IntEnum``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class SamplingParams(msgspec.Struct, **_WIRE):
+    """How to sample one request; field names and defaults follow vLLM's ``SamplingParams``.
+
+    ``stop`` strings are matched by the front end (it owns detokenization); everything else is
+    applied on the worker by the sampler.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` naming the field, what was given and what is accepted."""
+        _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature",
+               f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, "top_k", f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+               f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+               f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "stop must be a list of non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "stop_token_ids must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class InvalidParam(ValueError):
+    """A client-caused error that names the offending parameter."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParam(param, message)
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # aborted by the client or the server
+    ERROR = 3  # the request could not be served (message in ``EngineCoreOutput.error``)
+
+    @property
+    def openai_name(self) -> str:
+        return ("stop", "length", "abort", "error")[self]
+
+
+# ---------------------------------------------------------------------------------------------
+# API <-> engine core
+# ---------------------------------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, **_WIRE):
+    """ADD: one sequence to generate (the front end fans ``n > 1`` out into ``n`` of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    deadline: float | None = None  # absolute time.time() after which the request fails
+    priority: int = 0  # lower is served first when priority scheduling is on
+    eos_token_id: int | None = None
+
+
+class AbortRequests(msgspec.Struct, **_WIRE):
+    """ABORT: request ids to drop; their blocks return to the pool."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, **_WIRE):
+    """UTILITY: call a whitelisted engine method; the reply carries the same ``call_id``."""
+
+    call_id: int
+    method: str
+    args: list = []
+
+
+class UtilityResult(msgspec.Struct, **_WIRE):
+    call_id: int
+    result: object = None
+    failure: str | None = None
+
+
+class Logprobs(msgspec.Struct, **_WIRE):
+    """Per generated token: the sampled token's logprob and rank, then the top-N alternatives."""
+
+    token_ids: list[list[int]]  # [num_tokens][1 + N]: sampled token first
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the sampled token (1 = most likely)
+
+
+class EngineCoreOutput(msgspec.Struct, **_WIRE):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended the request
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: Logprobs | None = None
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, **_WIRE):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up since the last report
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # since the last report
+    step_counter: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, **_WIRE):
+    """OUTPUTS: everything one engine step produced."""
+
+    engine_id: int
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_result: UtilityResult | None = None
+
+
+class EngineState(enum.IntEnum):
+    STARTING = 0
+    HEALTHY = 1
+    UNHEALTHY = 2
+    RECOVERING = 3
+    DEAD = 4
+
+
+class EngineStatus(msgspec.Struct, **_WIRE):
+    """STATUS: an engine's health as its sentinel sees it."""
+
+    engine_id: int
+    state: EngineState
+    epoch: int = 0
+    fault_info: str | None = None
+    last_action: str | None = None
+    last_action_id: str | None = None
+    last_action_error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# engine core <-> workers: one EXECUTE per step carrying only what changed
+# ---------------------------------------------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct, **_WIRE):
+    """A request the workers have not seen (or must forget and re-learn after preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = []  # tokens already generated (resumed after preemption/fault)
+
+
+class CachedRequestData(msgspec.Struct, **_WIRE):
+    """A running request the workers know: only its new blocks and progress."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, **_WIRE):
+    """EXECUTE: what to run this step. ``num_scheduled_tokens`` maps request id to token count."""
+
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    finished_request_ids: list[str] = []  # forget these (finished, aborted or preempted)
+    step_id: int = 0
+
+
+class ModelRunnerOutput(msgspec.Struct, **_WIRE):
+    """Rank 0's reply to EXECUTE: one sampled token per request that finished its prefill."""
+
+    request_ids: list[str] = []
+    sampled_token_ids: list[int] = []
+    logprobs: list[Logprobs | None] = []
+    step_id: int = 0

@@ -1,0 +1,84 @@
+"""Second step of split-context (flash-decoding) attention: merge the per-split partials.
+
+Split s of a (token, head) left an unnormalised output ``acc_s``, its running max ``m_s`` (log2
+domain, -inf when the split saw no key) and running sum ``l_s``. The exact softmax result is
+``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_attention_splits_kernel(
+    out_ptr,  # [T, Hq, D]
+    part_out_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] float32
+    part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] float32
+    query_start_loc_ptr,
+    num_seqs,
+    num_heads,
+    stride_o_t,
+    stride_o_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    out_row = out_ptr + tok.to(tl.int64) * stride_o_t + head * stride_o_h
+    # NOTE: tokens past the last sequence are CUDA-graph padding; no split wrote them.
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+        tl.store(out_row + offs_d, tl.zeros([HEAD_PAD], dtype=tl.float32), mask=d_ok)
+        return
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    row = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)  # split 0 always sees key 0, so m_max is finite
+    denom = tl.sum(w * l, axis=0)
+    acc = tl.load(
+        part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def merge_attention_splits_triton(
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_ml: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_seqs: int,
+) -> None:
+    """Write into ``out`` [T, Hq, D] the merge of ``part_out`` [T, Hq, S, HEAD_PAD] (float32,
+    unnormalised) and ``part_ml`` [T, Hq, S, 2] (running max in log2 units, running sum)."""
+    num_tokens, num_heads, head_dim = out.shape
+    num_splits, head_pad = part_out.shape[2], part_out.shape[3]
+    if part_out.shape[:2] != out.shape[:2] or part_ml.shape != (*part_out.shape[:3], 2):
+        raise ValueError(
+            f"partials {tuple(part_out.shape)} / {tuple(part_ml.shape)} do not match "
+            f"out {tuple(out.shape)}"
+        )
+    if not (part_out.is_contiguous() and part_ml.is_contiguous()) or out.stride(2) != 1:
+        raise ValueError("partials must be contiguous and out's head dim must have stride 1")
+    if part_out.dtype != torch.float32 or part_ml.dtype != torch.float32 or head_pad < head_dim:
+        raise ValueError("partials must be float32 with a padded head dim >= head dim")
+    if num_tokens == 0:
+        return
+    _merge_attention_splits_kernel[(num_tokens, num_heads)](
+        out, part_out, part_ml, query_start_loc, num_seqs, num_heads,
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        num_warps=4 if head_pad >= 128 else 2,
+    )  # fmt: skip

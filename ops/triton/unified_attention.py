@@ -1,0 +1,275 @@
+"""Unified paged attention: one Triton kernel for prefill, chunked prefill and decode.
+
+Each program handles one *query block* (``BLOCK_Q`` consecutive new tokens of one sequence) times
+all ``Hq / Hk`` query heads that share one KV head, so every K/V tile is loaded once per KV head
+and reused by the whole GQA group (the M dimension of the dots is ``BLOCK_Q * num_q_per_kv``).
+Keys and values (cached prefix and the new tokens, which the caller stored first) are gathered
+from the paged cache through the block table, position by position, so the tile size does not
+have to match the KV block size. Softmax is online (flash-attention style) in float32, in the
+log2 domain.
+
+For decode at small batch the grid is too small to fill the GPU, so the context may be split
+into ``num_splits`` ranges (flash-decoding): each split writes its unnormalised partial output,
+running max and running sum, and ``attention_reduce`` merges them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from bastion.ops.triton.attention_reduce import merge_attention_splits_triton
+
+if TYPE_CHECKING:
+    from bastion.core.forward_context import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+# Above this many programs per KV head the grid already fills an H200 (132 SMs) several times.
+_TARGET_PROGRAMS = 4 * 132
+_MAX_SPLITS = 16
+
+
+@triton.jit
+def _unified_attention_kernel(
+    out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
+    part_out_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] float32, written when NUM_SPLITS > 1
+    part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] float32: running max (log2 domain), running sum
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_k_blk,
+    stride_k_off,
+    stride_k_h,
+    stride_v_blk,
+    stride_v_off,
+    stride_v_h,
+    stride_bt,
+    NUM_Q_PER_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Sequence i owns query blocks [qsl[i] // BLOCK_Q + i, ...): a strictly increasing start
+    # that needs no host-side prefix sum (so the launch is CUDA-graph safe). Binary search it.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= q_block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq_idx = lo - 1
+
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    q_block_local = q_block_id - (q_start // BLOCK_Q + seq_idx)
+    # NOTE: the grid is an upper bound on the number of query blocks; spare programs exit here.
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    ctx_len = seq_len - q_len  # new tokens are the last q_len tokens of the context
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    offs_t = tl.arange(0, TILE)
+    q_local = q_block_local * BLOCK_Q + offs_m // NUM_Q_PER_KV
+    head = kv_head * NUM_Q_PER_KV + offs_m % NUM_Q_PER_KV
+    row_ok = (offs_m // NUM_Q_PER_KV < BLOCK_Q) & (q_local < q_len)
+    d_ok = offs_d < HEAD_DIM
+    q_tok = (q_start + q_local).to(tl.int64)
+    q_pos = ctx_len + q_local
+
+    q = tl.load(
+        q_ptr + q_tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # Causality bounds the keys this block can see by its last token's position.
+    kv_end = ctx_len + tl.minimum(q_len, (q_block_local + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
+
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * TILE + offs_t
+        k_ok = k_pos < kv_end
+        blk = tl.load(bt_row + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        in_blk = (k_pos % KV_BLOCK_SIZE).to(tl.int64)
+        k_off = blk * stride_k_blk + in_blk * stride_k_off + kv_head * stride_k_h
+        k = tl.load(
+            k_cache_ptr + k_off[None, :] + offs_d[:, None],
+            mask=d_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if IEEE_DOT:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2
+        visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v_off = blk * stride_v_blk + in_blk * stride_v_off + kv_head * stride_v_h
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + offs_d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + q_tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # NOTE: every split stores, even one with no tiles (m = -inf, l = 0): the merge reads all.
+        row = (q_tok * tl.num_programs(1) * NUM_Q_PER_KV + head) * NUM_SPLITS + split
+        tl.store(
+            part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+def _pick_num_splits(num_q_blocks: int, num_kv_heads: int, max_query_len: int) -> int:
+    # Split only decode-like batches: a prefill block already has plenty of work, and the
+    # choice must not depend on context lengths so that a captured CUDA graph stays valid.
+    if max_query_len > 16:
+        return 1
+    programs = max(num_q_blocks * num_kv_heads, 1)
+    return max(1, min(_MAX_SPLITS, _TARGET_PROGRAMS // programs))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of ``query`` [T, Hq, D] over the paged cache; returns [T, Hq, D].
+
+    The K/V of the new tokens must already be stored in ``k_cache``/``v_cache``
+    ([num_blocks, block_size, Hk, D]). ``num_splits`` forces the number of context splits
+    (default: chosen from the batch shape only, never from context lengths, so CUDA-graph
+    capture stays valid). Rows of padding tokens past ``query_start_loc[-1]`` come back as 0.
+    """
+    if query.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "paged_attention expects query [T, Hq, D] and k_cache = v_cache shape "
+            f"[num_blocks, block_size, Hk, D]; got {tuple(query.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    if kv_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"head dims must match and Hq must be a multiple of Hk; got query {tuple(query.shape)}"
+            f" and cache {tuple(k_cache.shape)}"
+        )
+    if query.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("paged_attention needs the head dim contiguous (stride 1)")
+    if query.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtype mismatch: query {query.dtype}, cache {k_cache.dtype}")
+    bt = meta.block_tables
+    if bt.dtype != torch.int32 or bt.dim() != 2 or bt.stride(1) != 1:
+        raise ValueError(f"block_tables must be int32 [B, max_blocks], row-major; got {bt.dtype}")
+    for name in ("seq_lens", "query_start_loc"):
+        t = getattr(meta, name)
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor; got {t.dtype}")
+    num_seqs = meta.seq_lens.shape[0]
+    if meta.query_start_loc.shape[0] != num_seqs + 1 or bt.shape[0] < num_seqs:
+        raise ValueError("query_start_loc must have B + 1 entries and block_tables B rows")
+
+    num_q_per_kv = num_heads // num_kv_heads
+    is_decode = meta.max_query_len <= 1
+    block_m = max(16, triton.next_power_of_2(num_q_per_kv)) if is_decode else 64
+    block_m = max(block_m, triton.next_power_of_2(num_q_per_kv))
+    block_q = block_m // num_q_per_kv
+    tile = 32 if is_decode else 64
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = _pick_num_splits(num_q_blocks, num_kv_heads, meta.max_query_len)
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    num_real = meta.query_start_loc_cpu[-1] if meta.query_start_loc_cpu else num_tokens
+    if num_real < num_tokens:
+        out[num_real:].zero_()
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
+        )
+        part_ml = torch.empty(
+            (num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out = part_ml = out  # unused by the kernel
+    grid = (num_q_blocks, num_kv_heads, num_splits)
+    _unified_attention_kernel[grid](
+        out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
+        meta.query_start_loc, scale * _LOG2E, num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        bt.stride(0),
+        NUM_Q_PER_KV=num_q_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, TILE=tile, KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        IEEE_DOT=query.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_attention_splits_triton(out, part_out, part_ml, meta.query_start_loc, num_seqs)
+    return out

@@ -1,0 +1,149 @@
+"""Scheduler: token budget, chunked prefill, max_num_seqs, preemption, errors, no leaks."""
+
+from __future__ import annotations
+
+from bastion.core.config import CacheConfig, SchedulerConfig
+from bastion.core.request import Request, RequestStatus
+from bastion.core.scheduler import Scheduler
+from bastion.ipc.messages import FinishReason, ModelRunnerOutput, SamplingParams, SchedulerOutput
+
+
+def make_scheduler(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_model_len=64,
+                   policy="fcfs") -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                     policy=policy),
+                     CacheConfig(block_size=block_size), num_blocks, max_model_len)
+
+
+def req(request_id: str, n_prompt: int, max_tokens: int = 4, start: int = 0, **kw) -> Request:
+    return Request(request_id, list(range(start, start + n_prompt)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_id=0, **kw)
+
+
+def run_step(s: Scheduler, token: int = 1) -> tuple[SchedulerOutput, list]:
+    """Pretend the model ran: every request whose prefill finished samples ``token``."""
+    out = s.schedule()
+    sampled = [rid for rid, n in out.num_scheduled_tokens.items()
+               if s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens]
+    result = ModelRunnerOutput(sampled, [token] * len(sampled), [])
+    return out, s.update_from_output(out, result)
+
+
+def test_prefill_then_decode_share_one_budget():
+    s = make_scheduler(budget=10)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 6, start=50))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 6, "b": 4}  # b's prefill is chunked
+    assert [n.block_ids for n in out.new_requests] == [[0, 1], [2]]
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 2}  # a decodes, b finishes its prefill
+    assert out.cached_requests[1].new_block_ids == [3]
+    assert out.cached_requests[1].num_computed_tokens == 4
+
+
+def test_max_num_seqs_limits_admission():
+    s = make_scheduler(max_seqs=2)
+    for i in range(3):
+        s.add_request(req(str(i), 3, start=10 * i))
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["0", "1"]
+    assert len(s.waiting) == 1
+
+
+def test_requests_finish_at_max_tokens_and_free_every_block():
+    s = make_scheduler()
+    s.add_request(req("a", 5, max_tokens=3))
+    outputs = []
+    while s.has_unfinished_requests:
+        outputs += run_step(s)[1]
+    assert [o.new_token_ids for o in outputs] == [[1], [1], [1]]
+    assert outputs[-1].finish_reason == FinishReason.LENGTH
+    assert s.kv.num_free_blocks == 16
+    out = s.schedule()
+    assert out.finished_request_ids == ["a"]  # the workers are told to forget it
+
+
+def test_preemption_by_recompute_takes_newest_and_resumes_with_outputs():
+    # 4 blocks of 2 tokens: two requests of 3 prompt tokens each need 2 blocks, then a third.
+    s = make_scheduler(num_blocks=4, block_size=2, max_model_len=8)
+    s.add_request(req("old", 3, max_tokens=4))
+    s.add_request(req("new", 3, max_tokens=4, start=20))
+    run_step(s)  # both prefill: 2 blocks each, pool empty
+    run_step(s)  # both decode their 4th token into their 2nd block
+    out, _ = run_step(s)  # both need a 3rd block for their 5th token: "new" is preempted
+    assert list(out.num_scheduled_tokens) == ["old"]
+    assert out.cached_requests[0].new_block_ids == [3]  # "new" gave back 2, 3 tail first
+    assert s.requests["new"].status == RequestStatus.PREEMPTED
+    assert s.requests["new"].output_token_ids == [1, 1]
+    assert s.num_preemptions == 1
+    while s.requests.get("old"):
+        run_step(s)
+    out, _ = run_step(s)
+    resumed = out.new_requests[0]
+    assert resumed.request_id == "new" and resumed.output_token_ids == [1, 1]
+    # prompt + the 2 tokens it produced = 5; its first block survived in the prefix cache
+    assert resumed.num_computed_tokens == 2
+    assert out.num_scheduled_tokens["new"] == 3
+
+
+def test_request_that_can_never_fit_gets_an_error_not_a_hang():
+    s = make_scheduler(num_blocks=2, block_size=4, max_model_len=64)
+    s.add_request(req("big", 20))
+    assert not s.has_unfinished_requests
+    (err,) = s.take_rejected()
+    assert err.finish_reason == FinishReason.ERROR
+    assert "needs 6 KV blocks but the pool has only 2" in err.error
+
+
+def test_prompt_at_max_model_len_is_rejected_with_the_limit():
+    s = make_scheduler(max_model_len=16)
+    s.add_request(req("long", 16))
+    (err,) = s.take_rejected()
+    assert "at most 15" in err.error and "max_model_len 16" in err.error
+
+
+def test_abort_returns_blocks_and_tells_workers():
+    s = make_scheduler()
+    s.add_request(req("a", 9))
+    s.add_request(req("b", 9, start=100))
+    run_step(s)
+    assert s.kv.num_free_blocks == 16 - 6
+    (out,) = s.abort_requests(["a"])
+    assert out.finish_reason == FinishReason.ABORT
+    assert s.kv.num_free_blocks == 16 - 3
+    assert s.schedule().finished_request_ids == ["a"]
+    s.abort_requests(["b"])
+    assert s.kv.num_free_blocks == 16 and not s.has_unfinished_requests
+
+
+def test_prefix_cache_hit_is_reported_as_cached_tokens():
+    s = make_scheduler(block_size=4)
+    s.add_request(req("a", 9, max_tokens=1))
+    while s.has_unfinished_requests:
+        run_step(s)
+    s.add_request(req("b", 10, max_tokens=1))  # shares a's first 8 tokens (two full blocks)
+    out, outputs = run_step(s)
+    assert out.new_requests[0].num_computed_tokens == 8
+    assert out.num_scheduled_tokens == {"b": 2}
+    assert outputs[0].num_cached_tokens == 8
+
+
+def test_priority_policy_admits_lowest_value_first():
+    s = make_scheduler(max_seqs=1, policy="priority")
+    s.add_request(req("late", 3, priority=5, arrival_time=1.0))
+    s.add_request(req("urgent", 3, start=40, priority=0, arrival_time=2.0))
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["urgent"]
+
+
+def test_requeue_all_keeps_requests_and_drops_kv_state():
+    s = make_scheduler()
+    s.add_request(req("a", 5, max_tokens=8))
+    run_step(s)
+    run_step(s)
+    s.requeue_all()
+    assert s.kv.num_free_blocks == 16 and s.kv.pool.cached == {}
+    out, _ = run_step(s)
+    assert out.new_requests[0].output_token_ids == [1, 1]
+    assert out.num_scheduled_tokens == {"a": 7}

@@ -1,0 +1,312 @@
+"""Triton kernels against their torch references.
+
+Without CUDA the kernels run under Triton's interpreter on the CPU at small shapes in float32
+with tight tolerances; with CUDA the `gpu` tests run them at real shapes in bfloat16.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # NOTE: Triton decides interpreted vs compiled when a kernel is decorated, so this must
+    # precede importing triton and the kernel modules.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from bastion.core.forward_context import AttentionMetadata  # noqa: E402
+from bastion.ops.activation import silu_and_mul_ref  # noqa: E402
+from bastion.ops.attention import paged_attention_ref  # noqa: E402
+from bastion.ops.kv_store import store_kvcache_ref  # noqa: E402
+from bastion.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref  # noqa: E402
+from bastion.ops.rotary import apply_rotary_emb_ref  # noqa: E402
+
+_KERNEL_MODULES = [
+    "bastion.ops.triton.attention_reduce",  # before unified_attention, which imports it
+    "bastion.ops.triton.unified_attention",
+    "bastion.ops.triton.kv_store",
+    "bastion.ops.triton.rms_norm",
+    "bastion.ops.triton.fused_add_rms_norm",
+    "bastion.ops.triton.rotary",
+    "bastion.ops.triton.silu_and_mul",
+]
+
+
+def _kernel_modules() -> dict[str, object]:
+    # Another test may have imported the kernels before the interpreter was switched on;
+    # re-import them so they are decorated in the mode this module needs.
+    mods = {}
+    for name in _KERNEL_MODULES:
+        mod = sys.modules.get(name)
+        mods[name.rsplit(".", 1)[1]] = (
+            importlib.reload(mod) if mod is not None else importlib.import_module(name)
+        )
+    return mods
+
+
+_K = _kernel_modules()
+paged_attention_triton = _K["unified_attention"].paged_attention_triton
+store_kvcache_triton = _K["kv_store"].store_kvcache_triton
+rms_norm_triton = _K["rms_norm"].rms_norm_triton
+fused_add_rms_norm_triton = _K["fused_add_rms_norm"].fused_add_rms_norm_triton
+apply_rotary_emb_triton = _K["rotary"].apply_rotary_emb_triton
+silu_and_mul_triton = _K["silu_and_mul"].silu_and_mul_triton
+
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+CPU = torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _build_batch(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_pad_tokens: int = 0,
+    seed: int = 0,
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch whose sequences own shuffled (non-contiguous) cache blocks; returns metadata,
+    both caches (random, including the slots of unused blocks) and the new tokens' K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = torch.tensor(perm[used : used + n], dtype=torch.int32)
+        used += n
+    slots: list[int] = []
+    for i, (q, s) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(s - q, s):
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+    slots += [-1] * num_pad_tokens
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    num_tokens = len(slots)
+    new_k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    new_v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    return meta, k_cache.to(device), v_cache.to(device), new_k.to(device), new_v.to(device)
+
+
+def _check_attention(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_splits: int | None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+    num_pad_tokens: int = 0,
+    atol: float = 2e-5,
+) -> None:
+    meta, k_cache, v_cache, new_k, new_v = _build_batch(
+        q_lens, ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, num_pad_tokens
+    )
+    store_kvcache_ref(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(new_k.shape[0], num_heads, head_dim, generator=gen).to(dtype).to(device)
+    scale = head_dim**-0.5
+    out = paged_attention_triton(query, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    num_real = meta.query_start_loc_cpu[-1]
+    ref = paged_attention_ref(query[:num_real], k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out[:num_real].float(), ref.float(), atol=atol, rtol=0)
+    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
+
+
+# ----------------------------------------------------------------------------- attention (CPU)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_mixed_prefill_decode_with_cached_prefix(num_splits: int) -> None:
+    # decode at a block boundary, chunked prefill over a cached prefix, fresh prefill, decode
+    # past several blocks; GQA 4:2; two padding tokens at the end (slot -1) must come back 0.
+    _check_attention(
+        q_lens=[1, 7, 13, 1], ctx_lens=[16, 9, 0, 37], num_heads=4, num_kv_heads=2,
+        head_dim=32, block_size=8, num_splits=num_splits, num_pad_tokens=2,
+    )  # fmt: skip
+
+
+def test_attention_odd_group_and_head_dim() -> None:
+    # 3 query heads per KV head (rows of a 16-row tile that fall past BLOCK_Q are masked) and a
+    # head dim that is not a power of two (padded to 32 inside the kernel).
+    _check_attention(
+        q_lens=[5, 1, 11], ctx_lens=[4, 20, 6], num_heads=6, num_kv_heads=2,
+        head_dim=24, block_size=4, num_splits=1,
+    )  # fmt: skip
+
+
+def test_attention_decode_auto_split_long_context() -> None:
+    # a small decode batch makes the launcher split the context; contexts of very different
+    # lengths leave some splits empty (they must not contribute).
+    _check_attention(
+        q_lens=[1, 1, 1], ctx_lens=[150, 3, 64], num_heads=8, num_kv_heads=1,
+        head_dim=16, block_size=16, num_splits=None,
+    )  # fmt: skip
+
+
+def test_attention_rejects_bad_inputs() -> None:
+    meta, k_cache, v_cache, _, _ = _build_batch([2], [3], 2, 16, 4, torch.float32, CPU)
+    with pytest.raises(ValueError, match="multiple of Hk"):
+        paged_attention_triton(torch.randn(2, 3, 16), k_cache, v_cache, meta, 1.0)
+    meta.block_tables = meta.block_tables.long()
+    with pytest.raises(ValueError, match="int32"):
+        paged_attention_triton(torch.randn(2, 4, 16), k_cache, v_cache, meta, 1.0)
+
+
+# ----------------------------------------------------------------------------- KV store (CPU)
+
+
+def test_store_kvcache_strided_views_and_padding() -> None:
+    num_tokens, num_kv_heads, head_dim, num_q_heads = 6, 2, 24, 4
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim)
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    k_cache = torch.randn(5, 4, num_kv_heads, head_dim)
+    v_cache = torch.randn(5, 4, num_kv_heads, head_dim)
+    slots = torch.tensor([17, 3, -1, 0, 19, -1], dtype=torch.int64)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    store_kvcache_triton(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(k_cache[4, 1], key[0]) and torch.equal(v_cache[0, 3], value[1])
+    with pytest.raises(ValueError, match="int64"):
+        store_kvcache_triton(key, value, k_cache, v_cache, slots.int())
+
+
+# ----------------------------------------------------------------------------- norms (CPU)
+
+
+def test_rms_norm_rows_and_per_head_view() -> None:
+    x = torch.randn(5, 300)
+    w = torch.randn(300)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=1e-6, rtol=1e-6)
+    # Qwen3's q_norm: a per-head norm over a strided [T, H, D] slice of the QKV output.
+    qkv = torch.randn(3, 7 * 16)
+    q = qkv[:, : 4 * 16].view(3, 4, 16)
+    wq = torch.randn(16)
+    out = rms_norm_triton(q, wq, 1e-5)
+    assert out.shape == (3, 4, 16)
+    ref = rms_norm_ref(q.reshape(-1, 16), wq, 1e-5).view(3, 4, 16)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_add_rms_norm_matches_unfused() -> None:
+    x, residual, w = torch.randn(4, 96), torch.randn(4, 96), torch.randn(96)
+    x0, r0 = x.clone(), residual.clone()
+    out, new_residual = fused_add_rms_norm_triton(x, residual, w, 1e-6)
+    ref_out, ref_residual = fused_add_rms_norm_ref(x0.clone(), r0.clone(), w, 1e-6)
+    torch.testing.assert_close(new_residual, ref_residual, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
+# ----------------------------------------------------------------------------- rotary (CPU)
+
+
+def _cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("is_neox_style", [True, False])
+@pytest.mark.parametrize("rot_dim", [32, 16])
+def test_rotary_matches_reference(is_neox_style: bool, rot_dim: int) -> None:
+    num_tokens, num_q_heads, num_kv_heads, head_dim = 5, 6, 2, 32
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim)
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    query, key = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]  # strided views
+    positions = torch.tensor([0, 1, 7, 30, 63], dtype=torch.int64)
+    cache = _cos_sin_cache(64, rot_dim)
+    q_out, k_out = apply_rotary_emb_triton(positions, query, key, cache, head_dim, is_neox_style)
+    q_ref, k_ref = apply_rotary_emb_ref(
+        positions, query.clone(), key.clone(), cache, head_dim, is_neox_style
+    )
+    torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(q_out[0], query[0])  # position 0 is the identity rotation
+    if rot_dim < head_dim:  # pass-through dims are untouched
+        tail = q_out.view(num_tokens, num_q_heads, head_dim)[..., rot_dim:]
+        assert torch.equal(tail, query.reshape(num_tokens, num_q_heads, head_dim)[..., rot_dim:])
+
+
+# ----------------------------------------------------------------------------- activation (CPU)
+
+
+def test_silu_and_mul_multiple_column_blocks() -> None:
+    x = torch.randn(3, 2 * 1500)  # I = 1500 spans two 1024-wide column blocks
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- real shapes (GPU)
+
+_DEV = torch.device("cuda") if HAS_CUDA else CPU
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
+    q_lens = [1] * 64
+    ctx_lens = [int(c) for c in torch.randint(1, 2048, (64,), generator=torch.Generator().manual_seed(0))]
+    _check_attention(q_lens, ctx_lens, 16, 8, 128, 16, num_splits, torch.bfloat16, _DEV, atol=2e-2)
+
+
+@gpu
+@requires_cuda
+def test_gpu_attention_mixed_prefill_qwen3_shape() -> None:
+    q_lens = [512, 300, 1, 1, 77, 1]
+    ctx_lens = [0, 700, 1000, 5, 64, 3000]
+    _check_attention(q_lens, ctx_lens, 16, 8, 128, 16, None, torch.bfloat16, _DEV, atol=2e-2)
+
+
+@gpu
+@requires_cuda
+def test_gpu_elementwise_kernels_bf16() -> None:
+    dt = torch.bfloat16
+    x, res, w = (torch.randn(256, 1024, device=_DEV, dtype=dt) for _ in range(3))
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=3e-2, rtol=2e-2)
+    out, new_res = fused_add_rms_norm_triton(x, res, w, 1e-6)
+    ref_out, ref_res = fused_add_rms_norm_ref(x.clone(), res.clone(), w, 1e-6)
+    torch.testing.assert_close(new_res, ref_res, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref_out, atol=6e-2, rtol=2e-2)
+    g = torch.randn(256, 2 * 3072, device=_DEV, dtype=dt)
+    torch.testing.assert_close(silu_and_mul_triton(g), silu_and_mul_ref(g), atol=3e-2, rtol=2e-2)
+    pos = torch.randint(0, 4096, (256,), device=_DEV)
+    cache = _cos_sin_cache(4096, 128).to(_DEV)
+    q, k = torch.randn(256, 16 * 128, device=_DEV, dtype=dt), torch.randn(256, 8 * 128, device=_DEV, dtype=dt)
+    q_out, k_out = apply_rotary_emb_triton(pos, q, k, cache, 128)
+    q_ref, k_ref = apply_rotary_emb_ref(pos, q.clone(), k.clone(), cache, 128)
+    torch.testing.assert_close(q_out, q_ref, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(k_out, k_ref, atol=3e-2, rtol=2e-2)
