@@ -4,9 +4,9 @@ Token ids arrive a few at a time; text must leave as soon as it is final. Two th
 character not final yet:
 
 - an incomplete UTF-8 sequence: byte-level tokenizers split one emoji or CJK character over
-  several tokens, and decoding a prefix of them gives U+FFFD. We decode a small window of tokens
-  twice (up to the last emitted token, and up to the newest) and only emit the difference once it
-  no longer ends in U+FFFD (the prefix/read-offset technique).
+  several tokens, and decoding a prefix of them gives U+FFFD. We decode a small window of ids
+  twice (the context already emitted, and context plus pending ids) and only emit the difference
+  once it no longer ends in U+FFFD (the prefix/read-offset technique).
 - a possible stop string: the tail of the text that is a proper prefix of some stop string is
   held back until the next token decides it (a match cuts it, anything else releases it), or
   until ``flush()`` when the request ends for another reason.
@@ -14,7 +14,8 @@ character not final yet:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 # Prompt tokens decoded ahead of the output so that the first output token decodes in context
 # (SentencePiece decoders strip the leading space of a window's first token).
@@ -27,7 +28,7 @@ class DetokenizerDelta(NamedTuple):
 
     ``text`` is the new text to send now. ``stop_string`` is the stop string that matched in
     this update, or ``None``; once it is set the text was cut before the stop string (after it
-    when ``include_stop_str_in_output``) and every later update returns empty text.
+    when ``include_stop_str_in_output``) and every later update returns ``("", None)``.
     """
 
     text: str
@@ -37,10 +38,9 @@ class DetokenizerDelta(NamedTuple):
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text, a delta at a time.
 
-    ``tokenizer`` is a Hugging Face tokenizer (``convert_ids_to_tokens`` and
-    ``convert_tokens_to_string`` are all that is used). ``output_text`` is all text decoded so
-    far, including the tail held back because it may begin a stop string; after a stop string
-    matched it is the final, cut text.
+    ``tokenizer`` is a Hugging Face tokenizer (only ``decode`` is used). ``output_text`` is all
+    text decoded so far, including the tail held back because it may begin a stop string; after
+    a stop string matched it is the final, cut text.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
@@ -56,11 +56,10 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
         self.is_finished = False
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
-        # The decoding window: _tokens[:_read_offset] is context whose text was already
+        # The decoding window: _window[:_read_offset] is context whose text was already
         # produced (the prompt's tail at first), the rest is pending.
-        context_ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
-        self._tokens: list[str] = self._to_tokens(context_ids)
-        self._read_offset = len(self._tokens)
+        self._window: list[int] = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
+        self._read_offset = len(self._window)
         self._num_emitted_chars = 0
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False
@@ -71,13 +70,13 @@ class IncrementalDetokenizer:
         its text is then left out unless ``include_stop_str_in_output`` (as vLLM does).
         """
         if self.is_finished:
-            return DetokenizerDelta("", self.stop_string)
+            return DetokenizerDelta("", None)
         ids = list(new_token_ids)
         if stop_terminated and ids and not self.include_stop_str_in_output:
             ids.pop()
         num_chars_before = len(self.output_text)
-        for token in self._to_tokens(ids):
-            self._tokens.append(token)
+        for token_id in ids:
+            self._window.append(token_id)
             self.output_text += self._decode_pending(allow_incomplete=False)
         if self.stop and self._match_stop(num_chars_before):
             self.is_finished = True
@@ -101,28 +100,32 @@ class IncrementalDetokenizer:
             self._match_stop(num_chars_before)
         return self._take(len(self.output_text))
 
-    def _to_tokens(self, ids: list[int]) -> list[str]:
-        if not ids:
-            return []
-        return self.tokenizer.convert_ids_to_tokens(ids,
-                                                    skip_special_tokens=self.skip_special_tokens)
-
     def _decode_pending(self, allow_incomplete: bool) -> str:
         """Decode the window; return the new text once it is complete, else ``""``."""
-        if self._read_offset == len(self._tokens):
+        if self._read_offset == len(self._window):
             return ""
-        to_string = self.tokenizer.convert_tokens_to_string
-        prefix_text = to_string(self._tokens[:self._read_offset])
-        full_text = to_string(self._tokens)
+        prefix_text = self._decode(self._window[:self._read_offset])
+        full_text = self._decode(self._window)
         if not allow_incomplete and (len(full_text) <= len(prefix_text)
                                      or full_text.endswith(_REPLACEMENT_CHAR)):
             return ""
         new_text = full_text[len(prefix_text):]
-        # NOTE: the tokens just decoded become the whole context of the next call and older
+        # NOTE: the ids just decoded become the whole context of the next call and older
         # ones are dropped, so each call decodes a handful of tokens, not the whole output.
-        del self._tokens[:self._read_offset]
-        self._read_offset = len(self._tokens)
+        del self._window[:self._read_offset]
+        self._read_offset = len(self._window)
         return new_text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # NOTE: ``decode`` rather than convert_ids_to_tokens + convert_tokens_to_string: only
+        # ``decode`` skips exactly the tokens that ``decode`` of the whole output skips (added
+        # tokens flagged special, not just ``all_special_ids``).
+        if not token_ids:
+            return ""
+        # Space clean-up (" ." -> ".") would change text across window edges; it is off in
+        # the tokenizers of every model we serve, and must be off here for the diff to be exact.
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def _match_stop(self, num_chars_before: int) -> bool:
         """Find the earliest stop string in the text added since ``num_chars_before``; on a

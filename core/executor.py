@@ -28,10 +28,9 @@ class Executor(Protocol):
 
 
 class UniProcExecutor:
-    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.runner = ModelRunner(config)
         self.runner.load_model()
-        self.runner.eos_token_id = eos_token_id
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()

@@ -37,7 +37,7 @@ class LLM:
             self.eos_token_id = getattr(resolved.hf_config, "eos_token_id", None)
             if isinstance(self.eos_token_id, list):
                 self.eos_token_id = self.eos_token_id[0]
-        executor = UniProcExecutor(self.config, self.eos_token_id)
+        executor = UniProcExecutor(self.config)
         self.engine = EngineCore(self.config, executor, self.max_model_len)
         self._counter = itertools.count()
 

@@ -28,6 +28,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     generator: torch.Generator | None = None
+    eos_token_id: int | None = None
 
 
 class ModelRunner:
@@ -39,7 +40,6 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
-        self.eos_token_id: int | None = None
 
     # ------------------------------------------------------------------------- set-up
 
@@ -112,7 +112,7 @@ class ModelRunner:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, new.prompt_token_ids, new.sampling_params, list(new.block_ids),
                 new.num_computed_tokens, list(new.output_token_ids),
-                new.prompt_token_ids + new.output_token_ids, generator)
+                new.prompt_token_ids + new.output_token_ids, generator, new.eos_token_id)
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -133,7 +133,7 @@ class ModelRunner:
         meta = SamplingMetadata.build(
             [s.params for s in states], [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states], [s.generator for s in states],
-            [self.eos_token_id] * len(states), self.device, logits.shape[-1])
+            [s.eos_token_id for s in states], self.device, logits.shape[-1])
         out = self.sampler(logits, meta)
         return self._finish_step(sched.step_id, states, out)
 

@@ -155,7 +155,7 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
                 self.kv.block_ids(request.request_id), request.num_computed_tokens,
-                list(request.output_token_ids)))
+                list(request.output_token_ids), request.eos_token_id))
             self.known_by_workers.add(request.request_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new

@@ -205,6 +205,7 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = []  # tokens already generated (resumed after preemption/fault)
+    eos_token_id: int | None = None
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -233,3 +234,56 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     sampled_token_ids: list[int] = []
     logprobs: list[Logprobs | None] = []
     step_id: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# start-up handshake and control
+# ---------------------------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, **_WIRE):
+    """A child's first word: who it is."""
+
+    role: str  # engine | worker | sentinel
+    rank: int
+    pid: int
+
+
+class HandshakeInfo(msgspec.Struct, **_WIRE):
+    """The parent's answer to HELLO: the config to run and the addresses to use."""
+
+    config_json: bytes
+    addresses: dict[str, str]
+    rank: int = 0
+
+
+class Ready(msgspec.Struct, **_WIRE):
+    """Sent once the model is loaded (and, for engines, the KV cache allocated)."""
+
+    role: str
+    rank: int
+    pid: int
+    info: dict[str, int] = {}
+
+
+class Failure(msgspec.Struct, **_WIRE):
+    """A child's report that it could not start or that a call failed."""
+
+    role: str
+    rank: int
+    message: str
+
+
+class WorkerCall(msgspec.Struct, **_WIRE):
+    """Engine -> workers: a control call every worker answers (``kv_info``, ``init_kv``, ...)."""
+
+    call_id: int
+    method: str
+    args: list = []
+
+
+class WorkerReply(msgspec.Struct, **_WIRE):
+    call_id: int
+    rank: int
+    result: object = None
+    failure: str | None = None

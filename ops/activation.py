@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from bastion.ops._dispatch import triton_launcher, use_triton
 
 

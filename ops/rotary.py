@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from bastion.ops._dispatch import triton_launcher, use_triton
 
 

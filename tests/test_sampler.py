@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bastion.core.sampler import (
+    LogprobsTensors,
     Sampler,
     SamplingMetadata,
     apply_min_p,
@@ -20,12 +21,17 @@ from bastion.ipc.messages import SamplingParams
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")
+# The random path, seeds and logprobs also run on a GPU when there is one (same code, CUDA RNG).
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 def build(params: list[SamplingParams], vocab_size: int, *,
           prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None,
           generators: list[torch.Generator | None] | None = None,
-          eos: list[int | None] | None = None) -> SamplingMetadata:
+          eos: list[int | None] | None = None,
+          device: torch.device | str = CPU) -> SamplingMetadata:
     n = len(params)
     return SamplingMetadata.build(
         params,
@@ -33,12 +39,12 @@ def build(params: list[SamplingParams], vocab_size: int, *,
         outputs if outputs is not None else [[] for _ in range(n)],
         generators if generators is not None else [None] * n,
         eos if eos is not None else [None] * n,
-        CPU, vocab_size)
+        torch.device(device), vocab_size)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], **kw) -> torch.Tensor:
-    out = Sampler()(logits, build(params, logits.shape[1], **kw))
-    return out.sampled_token_ids
+    out = Sampler()(logits, build(params, logits.shape[1], device=logits.device, **kw))
+    return out.sampled_token_ids.cpu()
 
 
 def frequencies(tokens: torch.Tensor, vocab_size: int) -> list[float]:
@@ -66,10 +72,11 @@ def test_greedy_is_argmax_and_skips_random_work() -> None:
     assert torch.equal(logits, before)  # the caller's logits are never written
 
 
-def test_temperature_reshapes_distribution_per_row() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_temperature_reshapes_distribution_per_row(device: str) -> None:
     torch.manual_seed(0)
     n = 4000
-    logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(2 * n, 1)
+    logits = torch.tensor([[0.0, 1.0, 2.0]], device=device).repeat(2 * n, 1)
     params = [SamplingParams(temperature=0.5)] * n + [SamplingParams(temperature=2.0)] * n
     tokens = sample(logits, params)
     cold = torch.softmax(torch.tensor([0.0, 2.0, 4.0]), dim=0).tolist()  # logits / 0.5
@@ -107,11 +114,12 @@ def test_top_k_mask_is_exact_per_row_even_with_ties() -> None:
     assert masked[2].tolist() == logits[2].tolist()  # k = 0: off
 
 
-def test_top_k_never_samples_outside_top_k() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_never_samples_outside_top_k(device: str) -> None:
     torch.manual_seed(3)
     n = 4000
     # Nearly flat logits, shuffled: without top-k every token would show up.
-    base = torch.tensor([0.3, 0.0, 0.5, 0.1, 0.4, 0.2])
+    base = torch.tensor([0.3, 0.0, 0.5, 0.1, 0.4, 0.2], device=device)
     logits = base.repeat(2 * n, 1)
     params = [SamplingParams(top_k=2)] * n + [SamplingParams(top_k=4)] * n
     tokens = sample(logits, params)
@@ -143,10 +151,11 @@ def test_top_p_renormalises_after_top_k() -> None:
                                                [True, True, False, False]]
 
 
-def test_top_p_sampling_stays_in_nucleus() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_sampling_stays_in_nucleus(device: str) -> None:
     torch.manual_seed(4)
     n = 4000
-    logits = torch.tensor([log_probs(0.5, 0.3, 0.15, 0.05)] * n)
+    logits = torch.tensor([log_probs(0.5, 0.3, 0.15, 0.05)] * n, device=device)
     tokens = sample(logits, [SamplingParams(top_p=0.7)] * n)
     assert set(tokens.tolist()) == {0, 1}
     assert frequencies(tokens, 4)[:2] == pytest.approx([0.625, 0.375], abs=0.025)
@@ -223,28 +232,29 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
 
 
 def _seeded_run(seed: int, row: int, companions: torch.Tensor, target: torch.Tensor,
-                global_seed: int, steps: int = 6) -> list[int]:
+                global_seed: int, device: str, steps: int = 6) -> list[int]:
     """Sample ``steps`` tokens for a seeded row placed at ``row`` among unseeded companions."""
     torch.manual_seed(global_seed)
-    logits = torch.cat([companions[:row], target.unsqueeze(0), companions[row:]])
+    logits = torch.cat([companions[:row], target.unsqueeze(0), companions[row:]]).to(device)
     params = [SamplingParams(temperature=0.8)] * logits.shape[0]
     params[row] = SamplingParams(temperature=0.8, seed=seed)
     gens: list[torch.Generator | None] = [None] * logits.shape[0]
-    gens[row] = make_generator(seed, CPU)
+    gens[row] = make_generator(seed, device)
     if row > 0:  # a second seeded companion must not disturb the first
-        gens[0] = make_generator(seed + 1, CPU)
-    meta = build(params, logits.shape[1], generators=gens)
+        gens[0] = make_generator(seed + 1, device)
+    meta = build(params, logits.shape[1], generators=gens, device=device)
     return [Sampler()(logits, meta).sampled_token_ids[row].item() for _ in range(steps)]
 
 
-def test_seed_reproducible_across_batch_position_and_companions() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_seed_reproducible_across_batch_position_and_companions(device: str) -> None:
     g = torch.Generator().manual_seed(6)
     vocab = 1000
     target = 0.3 * torch.randn(vocab, generator=g)
-    first = _seeded_run(1234, 0, torch.randn(3, vocab, generator=g), target, global_seed=0)
-    again = _seeded_run(1234, 4, torch.randn(7, vocab, generator=g), target, global_seed=99)
-    alone = _seeded_run(1234, 0, torch.empty(0, vocab), target, global_seed=5)
-    other = _seeded_run(4321, 0, torch.randn(3, vocab, generator=g), target, global_seed=0)
+    first = _seeded_run(1234, 0, torch.randn(3, vocab, generator=g), target, 0, device)
+    again = _seeded_run(1234, 4, torch.randn(7, vocab, generator=g), target, 99, device)
+    alone = _seeded_run(1234, 0, torch.empty(0, vocab), target, 5, device)
+    other = _seeded_run(4321, 0, torch.randn(3, vocab, generator=g), target, 0, device)
     assert first == again == alone
     assert len(set(first)) > 1  # the generator advances between steps
     assert other != first
@@ -253,21 +263,22 @@ def test_seed_reproducible_across_batch_position_and_companions() -> None:
 # --- logprobs --------------------------------------------------------------------------------
 
 
-def test_logprobs_are_raw_log_softmax_with_ranks_and_sorted_top_k() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax_with_ranks_and_sorted_top_k(device: str) -> None:
     logits = torch.tensor([[1.0, 3.0, 0.5, 2.0, -1.0, 0.0],
                            [0.2, 0.1, 4.0, 3.5, 1.0, 0.0],
-                           [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+                           [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]], device=device)
     eos = 2
     params = [SamplingParams(temperature=0.0, logprobs=3),
               # min_tokens forbids the favourite (EOS), so the second-best is sampled: rank 2.
               SamplingParams(temperature=0.0, logprobs=0, min_tokens=1),
               SamplingParams(temperature=1.0, top_k=1)]  # asked for none: still gets k columns
-    meta = build(params, 6, eos=[eos] * 3)
+    meta = build(params, 6, eos=[eos] * 3, device=device)
     out = Sampler()(logits, meta)
     assert out.sampled_token_ids.tolist() == [1, 3, 5]
-    lp = out.logprobs
-    assert lp is not None
-    expected = torch.log_softmax(logits, dim=-1)  # raw: before min_tokens masked token 2
+    assert out.logprobs is not None
+    lp = LogprobsTensors(*(t.cpu() for t in out.logprobs))
+    expected = torch.log_softmax(logits, dim=-1).cpu()  # raw: before min_tokens masked token 2
     assert lp.token_ids.shape == (3, 4) and lp.logprobs.shape == (3, 4)
     assert lp.token_ids.tolist() == [[1, 1, 3, 0], [3, 2, 3, 4], [5, 5, 4, 3]]
     assert torch.equal(lp.logprobs, expected.gather(1, lp.token_ids))

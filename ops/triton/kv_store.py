@@ -78,7 +78,12 @@ def store_kvcache_triton(
         )
     if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
         raise ValueError(f"dtype mismatch: key {key.dtype}, cache {k_cache.dtype}")
-    if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+    if (
+        key.stride(2) != 1
+        or value.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or v_cache.stride(3) != 1
+    ):
         raise ValueError("store_kvcache needs the head dim contiguous (stride 1)")
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:

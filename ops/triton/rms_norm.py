@@ -33,9 +33,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     float32 and returned in ``x.dtype``. Rows may be strided (e.g. per-head q/k norms)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
-        raise ValueError(f"weight must be [{hidden}] for x {tuple(x.shape)}; got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be [{hidden}] for x {tuple(x.shape)}; got {tuple(weight.shape)}"
+        )
     if x.stride(-1) != 1 or not weight.is_contiguous():
-        raise ValueError("rms_norm needs the hidden dim contiguous (stride 1) and weight contiguous")
+        raise ValueError(
+            "rms_norm needs the hidden dim contiguous (stride 1) and weight contiguous"
+        )
     # reshape keeps a view where it can (per-head norms on a [T, H, D] slice stay zero-copy).
     x2 = x.reshape(-1, hidden)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)

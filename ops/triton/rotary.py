@@ -37,7 +37,7 @@ def _rotary_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok)
-    half: tl.constexpr = ROT_DIM // 2
+    half = ROT_DIM // 2
     offs_i = tl.arange(0, HALF_PAD)
     i_ok = offs_i < half
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=i_ok, other=0.0)[None, :]
@@ -49,8 +49,6 @@ def _rotary_kernel(
     else:
         x1_off = 2 * offs_i
         x2_off = 2 * offs_i + 1
-    offs_p = ROT_DIM + tl.arange(0, PASS_PAD)
-    p_ok = offs_p < HEAD_DIM
 
     # The same rotation for query (NUM_Q_HEADS heads) then key (NUM_K_HEADS heads).
     offs_h = tl.arange(0, Q_HEADS_PAD)[:, None] * HEAD_DIM
@@ -61,8 +59,9 @@ def _rotary_kernel(
     x2 = tl.load(src + x2_off[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(dst + x1_off[None, :], (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
     tl.store(dst + x2_off[None, :], (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
-    if PASS_PAD > 0:
-        mp = (offs_h < NUM_Q_HEADS * HEAD_DIM) & p_ok[None, :]
+    if PASS_PAD > 0:  # partial rotary: copy the dims past ROT_DIM
+        offs_p = ROT_DIM + tl.arange(0, PASS_PAD)
+        mp = (offs_h < NUM_Q_HEADS * HEAD_DIM) & (offs_p[None, :] < HEAD_DIM)
         tl.store(dst + offs_p[None, :], tl.load(src + offs_p[None, :], mask=mp), mask=mp)
 
     offs_h = tl.arange(0, K_HEADS_PAD)[:, None] * HEAD_DIM
@@ -74,7 +73,8 @@ def _rotary_kernel(
     tl.store(dst + x1_off[None, :], (x1 * cos - x2 * sin).to(k_out_ptr.dtype.element_ty), mask=m)
     tl.store(dst + x2_off[None, :], (x2 * cos + x1 * sin).to(k_out_ptr.dtype.element_ty), mask=m)
     if PASS_PAD > 0:
-        mp = (offs_h < NUM_K_HEADS * HEAD_DIM) & p_ok[None, :]
+        offs_p = ROT_DIM + tl.arange(0, PASS_PAD)
+        mp = (offs_h < NUM_K_HEADS * HEAD_DIM) & (offs_p[None, :] < HEAD_DIM)
         tl.store(dst + offs_p[None, :], tl.load(src + offs_p[None, :], mask=mp), mask=mp)
 
 
@@ -93,12 +93,18 @@ def apply_rotary_emb_triton(
     num_tokens = positions.shape[0]
     rot_dim = cos_sin_cache.shape[1]
     if positions.dim() != 1 or positions.dtype != torch.int64:
-        raise ValueError(f"positions must be int64 [T]; got {positions.dtype} {tuple(positions.shape)}")
+        raise ValueError(
+            f"positions must be int64 [T]; got {positions.dtype} {tuple(positions.shape)}"
+        )
     if query.shape[0] != num_tokens or key.shape[0] != num_tokens:
-        raise ValueError(f"query/key must have {num_tokens} rows; got {query.shape[0]}, {key.shape[0]}")
+        raise ValueError(
+            f"query/key must have {num_tokens} rows; got {query.shape[0]}, {key.shape[0]}"
+        )
     q2, k2 = query.reshape(num_tokens, -1), key.reshape(num_tokens, -1)
     if q2.shape[1] % head_size or k2.shape[1] % head_size:
-        raise ValueError(f"query/key widths {q2.shape[1]}, {k2.shape[1]} are not multiples of {head_size}")
+        raise ValueError(
+            f"query/key widths {q2.shape[1]}, {k2.shape[1]} are not multiples of {head_size}"
+        )
     if rot_dim > head_size or rot_dim % 2 or cos_sin_cache.dtype != torch.float32:
         raise ValueError(
             f"cos_sin_cache must be float32 [max_pos, rotary_dim] with even rotary_dim <= "
@@ -108,8 +114,9 @@ def apply_rotary_emb_triton(
         raise ValueError("rotary needs query, key and cos_sin_cache contiguous along the last dim")
     if query.dtype != key.dtype:
         raise ValueError(f"query and key dtypes differ: {query.dtype} vs {key.dtype}")
-    q_out, k_out = torch.empty_like(q2, memory_format=torch.contiguous_format), torch.empty_like(
-        k2, memory_format=torch.contiguous_format
+    q_out, k_out = (
+        torch.empty_like(q2, memory_format=torch.contiguous_format),
+        torch.empty_like(k2, memory_format=torch.contiguous_format),
     )
     if num_tokens > 0:
         num_q_heads, num_k_heads = q2.shape[1] // head_size, k2.shape[1] // head_size

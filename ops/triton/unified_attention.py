@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
-
 from bastion.ops.triton.attention_reduce import merge_attention_splits_triton
 
 if TYPE_CHECKING:
@@ -187,30 +186,17 @@ def _pick_num_splits(num_q_blocks: int, num_kv_heads: int, max_query_len: int) -
     return max(1, min(_MAX_SPLITS, _TARGET_PROGRAMS // programs))
 
 
-def paged_attention_triton(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    *,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Causal paged attention of ``query`` [T, Hq, D] over the paged cache; returns [T, Hq, D].
-
-    The K/V of the new tokens must already be stored in ``k_cache``/``v_cache``
-    ([num_blocks, block_size, Hk, D]). ``num_splits`` forces the number of context splits
-    (default: chosen from the batch shape only, never from context lengths, so CUDA-graph
-    capture stays valid). Rows of padding tokens past ``query_start_loc[-1]`` come back as 0.
-    """
+def _check_inputs(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
     if query.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             "paged_attention expects query [T, Hq, D] and k_cache = v_cache shape "
             f"[num_blocks, block_size, Hk, D]; got {tuple(query.shape)}, "
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    _, num_heads, head_dim = query.shape
+    _, _, num_kv_heads, kv_head_dim = k_cache.shape
     if kv_head_dim != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(
             f"head dims must match and Hq must be a multiple of Hk; got query {tuple(query.shape)}"
@@ -230,6 +216,29 @@ def paged_attention_triton(
     num_seqs = meta.seq_lens.shape[0]
     if meta.query_start_loc.shape[0] != num_seqs + 1 or bt.shape[0] < num_seqs:
         raise ValueError("query_start_loc must have B + 1 entries and block_tables B rows")
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of ``query`` [T, Hq, D] over the paged cache; returns [T, Hq, D].
+
+    The K/V of the new tokens must already be stored in ``k_cache``/``v_cache``
+    ([num_blocks, block_size, Hk, D]). ``num_splits`` forces the number of context splits
+    (default: chosen from the batch shape only, never from context lengths, so CUDA-graph
+    capture stays valid). Rows of padding tokens past ``query_start_loc[-1]`` come back as 0.
+    """
+    _check_inputs(query, k_cache, v_cache, meta)
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = meta.seq_lens.shape[0]
+    bt = meta.block_tables
 
     num_q_per_kv = num_heads // num_kv_heads
     is_decode = meta.max_query_len <= 1

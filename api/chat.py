@@ -1,0 +1,178 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, OpenAI's
+``chat.completion`` / ``chat.completion.chunk`` objects."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAME_KEY
+from bastion.api.engine_protocol import EngineClient
+from bastion.api.errors import bad_request
+from bastion.api.protocol import (
+    GenerateRequest,
+    Prompt,
+    base_sampling_params,
+    check_model,
+    check_unsupported,
+    fit_to_context,
+    get_bool,
+    get_int,
+    parse_deadline,
+    parse_stream_options,
+    read_json,
+)
+from bastion.api.serving import (
+    Choice,
+    Run,
+    chunk_header,
+    collect,
+    reject_if_draining,
+    stream_sse,
+    submit,
+    token_text,
+    with_usage_field,
+)
+from bastion.core.output_processor import SeqDelta
+from bastion.core.outputs import TokenLogprob
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    """Messages as the chat template expects them: role and plain-text content."""
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list of message objects", "messages")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{i}] must be an object with role and content", "messages")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}; "
+                              f"got {role!r}", "messages")
+        content = _content_text(message.get("content"), i, role)
+        # "developer" is OpenAI's newer name for "system"; templates know only the latter.
+        messages.append({"role": "system" if role == "developer" else role, "content": content})
+    return messages
+
+
+def _content_text(content: Any, i: int, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts "
+                      '({"type": "text", "text": ...}); only text is supported', "messages")
+
+
+def render_prompt(client: EngineClient, messages: list[dict[str, str]],
+                  add_generation_prompt: bool) -> Prompt:
+    try:
+        text = client.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja2 errors, including the template's raise_exception()
+        raise bad_request(f"The chat template could not render these messages: {exc}",
+                          "messages") from None
+    return Prompt(client.tokenizer.encode(text, add_special_tokens=False), text)
+
+
+def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
+    config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
+    model = check_model(body, request.app[MODEL_NAME_KEY])
+    check_unsupported(body)
+    messages = parse_messages(body.get("messages"))
+    logprobs = get_bool(body, "logprobs", False)
+    top_logprobs = get_int(body, "top_logprobs")
+    if top_logprobs is not None:
+        if not logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= top_logprobs <= config.max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {config.max_logprobs}], got "
+                              f"{top_logprobs}", "top_logprobs")
+    max_tokens = get_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens")
+    stream = get_bool(body, "stream", False)
+    include_usage = parse_stream_options(body, stream)
+    deadline = parse_deadline(request, body)
+    base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
+                                max_tokens)
+    prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True))
+    params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
+                            "messages")
+    return GenerateRequest(model, [prompt], [params], stream, include_usage, deadline,
+                           top_logprobs=top_logprobs if logprobs else None)
+
+
+def _token_info(entry: TokenLogprob) -> dict[str, Any]:
+    text = token_text(entry)
+    return {"token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[dict[int, TokenLogprob]], top_n: int) -> dict[str, Any]:
+    """OpenAI's chat shape: the sampled token, then exactly the top-N by rank."""
+    content = []
+    for entry in entries:
+        sampled = next(iter(entry.values()))
+        top = sorted((e for e in entry.values() if e.rank <= top_n), key=lambda e: e.rank)
+        content.append({**_token_info(sampled), "top_logprobs": [_token_info(e) for e in top]})
+    return {"content": content}
+
+
+class ChatStreamFormatter:
+    chunk_object = "chat.completion.chunk"
+
+    def start_chunks(self, run: Run) -> list[dict[str, Any]]:
+        return [self._chunk(run, c.index, {"role": "assistant", "content": ""}, None, None, None)
+                for c in run.choices]
+
+    def chunk(self, run: Run, choice: Choice, delta: SeqDelta) -> dict[str, Any] | None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return None
+        logprobs = None
+        if run.req.top_logprobs is not None:
+            logprobs = chat_logprobs(delta.logprobs or [], run.req.top_logprobs)
+        return self._chunk(run, choice.index, {"content": delta.text} if delta.text else {},
+                           logprobs, delta.finish_reason, delta.stop_reason)
+
+    def _chunk(self, run: Run, index: int, delta: dict[str, Any], logprobs: dict | None,
+               finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+        chunk = chunk_header(run, self.chunk_object)
+        chunk["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish_reason, "stop_reason": stop_reason}]
+        return with_usage_field(run, chunk)
+
+
+def chat_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
+    body_choices = []
+    for choice in choices:
+        logprobs = None
+        if run.req.top_logprobs is not None:
+            logprobs = chat_logprobs(choice.logprobs, run.req.top_logprobs)
+        body_choices.append({"index": choice.index,
+                             "message": {"role": "assistant", "content": choice.text},
+                             "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                             "stop_reason": choice.stop_reason})
+    return {"id": run.request_id, "object": "chat.completion", "created": run.created,
+            "model": run.model, "choices": body_choices, "usage": run.usage()}
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    reject_if_draining(request.app)
+    body = await read_json(request)
+    req = parse_chat_request(request, body)
+    client = request.app[CLIENT_KEY]
+    run = await submit(client, request.app[METRICS_KEY], f"chatcmpl-{uuid.uuid4().hex}",
+                       req.model, req)
+    if req.stream:
+        return await stream_sse(request, client, run, ChatStreamFormatter())
+    choices = await collect(client, run)
+    return web.json_response(chat_response(run, choices),
+                             headers={"X-Request-Id": run.request_id})

@@ -1,0 +1,181 @@
+"""``POST /v1/completions``: OpenAI's legacy ``text_completion`` API (vLLM's extensions too)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAME_KEY
+from bastion.api.engine_protocol import EngineClient
+from bastion.api.errors import bad_request
+from bastion.api.protocol import (
+    GenerateRequest,
+    Prompt,
+    base_sampling_params,
+    check_model,
+    check_unsupported,
+    fit_to_context,
+    get_bool,
+    get_int,
+    parse_deadline,
+    parse_stream_options,
+    read_json,
+)
+from bastion.api.serving import (
+    Choice,
+    Run,
+    chunk_header,
+    collect,
+    reject_if_draining,
+    stream_sse,
+    submit,
+    token_text,
+    with_usage_field,
+)
+from bastion.core.output_processor import SeqDelta
+from bastion.core.outputs import TokenLogprob
+
+_PROMPT_FORMS = ("prompt must be a non-empty string, a list of strings, a list of token ids or "
+                 "a list of lists of token ids")
+
+
+def parse_prompts(value: Any, client: EngineClient, max_num_prompts: int) -> list[Prompt]:
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value and all(_is_token_id(v) for v in value):
+        items = [value]
+    elif isinstance(value, list) and value and (all(isinstance(v, str) for v in value)
+                                                or all(isinstance(v, list) for v in value)):
+        items = value
+    else:
+        raise bad_request(_PROMPT_FORMS, "prompt")
+    if len(items) > max_num_prompts:
+        raise bad_request(f"at most {max_num_prompts} prompts per request, got {len(items)}",
+                          "prompt")
+    vocab_size = len(client.tokenizer)
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt must not be empty", "prompt")
+            prompts.append(Prompt(client.tokenizer.encode(item), item))
+            continue
+        if not item or not all(_is_token_id(t) and t < vocab_size for t in item):
+            raise bad_request(f"a token-id prompt must be a non-empty list of integers in "
+                              f"[0, {vocab_size})", "prompt")
+        prompts.append(Prompt(list(item), None))
+    return prompts
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_completion_request(request: web.Request, body: dict) -> GenerateRequest:
+    config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
+    model = check_model(body, request.app[MODEL_NAME_KEY])
+    check_unsupported(body)
+    if body.get("prompt") is None:
+        raise bad_request("prompt is required", "prompt")
+    prompts = parse_prompts(body["prompt"], client, config.max_num_prompts)
+    echo = get_bool(body, "echo", False)
+    logprobs = get_int(body, "logprobs")
+    if logprobs is not None and logprobs < 0:
+        raise bad_request(f"logprobs must be in [0, {config.max_logprobs}], got {logprobs}",
+                          "logprobs")
+    if echo and logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)",
+                          "echo")
+    max_tokens = get_int(body, "max_tokens")
+    stream = get_bool(body, "stream", False)
+    include_usage = parse_stream_options(body, stream)
+    deadline = parse_deadline(request, body)
+    base = base_sampling_params(body, config, logprobs, max_tokens)
+    params = [fit_to_context(base, len(p.token_ids), client.max_model_len, max_tokens, "prompt")
+              for p in prompts]
+    return GenerateRequest(model, prompts, params, stream, include_usage, deadline, echo)
+
+
+def completion_logprobs(entries: list[dict[int, TokenLogprob]], text_offset: int
+                        ) -> tuple[dict[str, Any], int]:
+    """OpenAI's legacy shape; ``top_logprobs`` holds the top-N plus the sampled token."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        sampled = next(iter(entry.values()))
+        text = token_text(sampled)
+        tokens.append(text)
+        token_logprobs.append(sampled.logprob)
+        top_logprobs.append({token_text(e): e.logprob for e in
+                             sorted(entry.values(), key=lambda e: e.rank)})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}, text_offset
+
+
+class CompletionStreamFormatter:
+    chunk_object = "text_completion"
+
+    def __init__(self) -> None:
+        self._text_offsets: dict[int, int] = {}
+
+    def start_chunks(self, run: Run) -> list[dict[str, Any]]:
+        if not run.req.echo:
+            return []
+        return [self._chunk(run, c.index, _prompt_text(run, c), None, None, None)
+                for c in run.choices]
+
+    def chunk(self, run: Run, choice: Choice, delta: SeqDelta) -> dict[str, Any] | None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return None
+        logprobs = None
+        if run.req.params[0].logprobs is not None:
+            offset = self._text_offsets.get(choice.index, 0)
+            logprobs, self._text_offsets[choice.index] = completion_logprobs(
+                delta.logprobs or [], offset)
+        return self._chunk(run, choice.index, delta.text, logprobs, delta.finish_reason,
+                           delta.stop_reason)
+
+    def _chunk(self, run: Run, index: int, text: str, logprobs: dict | None,
+               finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+        chunk = chunk_header(run, self.chunk_object)
+        chunk["choices"] = [{"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": finish_reason, "stop_reason": stop_reason}]
+        return with_usage_field(run, chunk)
+
+
+def _prompt_text(run: Run, choice: Choice) -> str:
+    prompt = run.req.prompts[choice.prompt_index]
+    if prompt.text is not None:
+        return prompt.text
+    return run.tokenizer.decode(prompt.token_ids)
+
+
+def completion_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
+    body_choices = []
+    for choice in choices:
+        text = (_prompt_text(run, choice) if run.req.echo else "") + choice.text
+        logprobs = None
+        if run.req.params[0].logprobs is not None:
+            logprobs, _ = completion_logprobs(choice.logprobs, 0)
+        body_choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
+                             "finish_reason": choice.finish_reason,
+                             "stop_reason": choice.stop_reason})
+    return {"id": run.request_id, "object": "text_completion", "created": run.created,
+            "model": run.model, "choices": body_choices, "usage": run.usage()}
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    reject_if_draining(request.app)
+    body = await read_json(request)
+    req = parse_completion_request(request, body)
+    client = request.app[CLIENT_KEY]
+    run = await submit(client, request.app[METRICS_KEY], f"cmpl-{uuid.uuid4().hex}", req.model,
+                       req)
+    if req.stream:
+        return await stream_sse(request, client, run, CompletionStreamFormatter())
+    choices = await collect(client, run)
+    return web.json_response(completion_response(run, choices),
+                             headers={"X-Request-Id": run.request_id})

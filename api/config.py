@@ -1,0 +1,64 @@
+"""The API server's config and the keys under which the app keeps its shared objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+
+class ApiConfigError(ValueError):
+    """An API config that cannot work; the message says what would be accepted."""
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """``bastion serve``'s HTTP flags, one to one (``--api-key`` -> ``api_key``).
+
+    ``admin_key`` guards ``/fault_tolerance/*``; when unset those routes fall back to
+    ``api_key`` (and are open only when neither is set).
+    """
+
+    host: str = "127.0.0.1"  # NOTE: loopback by default; exposing the server is a choice
+    port: int = 8000
+    api_key: str | None = None
+    admin_key: str | None = None
+    served_model_name: str | None = None  # None: the engine client's model_name
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_num_prompts: int = 64  # prompts in one batched /v1/completions request
+    enable_fault_injection: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ApiConfigError(f"port must be in [0, 65535]; got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ApiConfigError(f"max_body_bytes must be at least 1024; got {self.max_body_bytes}")
+        if self.max_n < 1:
+            raise ApiConfigError(f"max_n must be at least 1; got {self.max_n}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ApiConfigError(f"max_logprobs must be in [0, 20]; got {self.max_logprobs}")
+        if self.max_num_prompts < 1:
+            raise ApiConfigError(f"max_num_prompts must be at least 1; got {self.max_num_prompts}")
+        for name in ("api_key", "admin_key"):
+            if getattr(self, name) == "":
+                raise ApiConfigError(f"{name} must not be empty (leave it unset to disable it)")
+
+
+CONFIG_KEY = web.AppKey("bastion_config", ApiConfig)
+CLIENT_KEY = web.AppKey("bastion_client", object)  # an EngineClient
+METRICS_KEY = web.AppKey("bastion_metrics", object)  # an api.metrics.ApiMetrics
+FT_HANDLER_KEY = web.AppKey("bastion_ft_handler", object)  # a FaultToleranceHandler or None
+MODEL_NAME_KEY = web.AppKey("bastion_model_name", str)  # what clients send as ``model``
+
+
+@dataclass
+class ServerState:
+    """Run-time state the launcher changes while serving (aiohttp freezes the app's own mapping
+    once it starts). ``is_draining``: SIGTERM arrived; new requests get 503, in-flight ones end."""
+
+    is_draining: bool = False
+
+
+STATE_KEY = web.AppKey("bastion_state", ServerState)

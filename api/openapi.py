@@ -1,0 +1,119 @@
+"""``GET /openapi.json``: an OpenAPI 3 outline of every route, request and response."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bastion import __version__
+
+_NUM = {"type": "number"}
+_INT = {"type": "integer"}
+_BOOL = {"type": "boolean"}
+_STR = {"type": "string"}
+_NULLABLE_STR = {"type": "string", "nullable": True}
+
+_SAMPLING = {
+    "model": _STR, "n": _INT, "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM,
+    "seed": _INT, "presence_penalty": _NUM, "frequency_penalty": _NUM,
+    "repetition_penalty": _NUM, "max_tokens": _INT, "min_tokens": _INT,
+    "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}]},
+    "stop_token_ids": {"type": "array", "items": _INT}, "ignore_eos": _BOOL,
+    "skip_special_tokens": _BOOL, "include_stop_str_in_output": _BOOL, "stream": _BOOL,
+    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+    "timeout": {"type": "number", "description": "seconds until the request's deadline"},
+}
+
+_USAGE = {"type": "object", "properties": {
+    "prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}}}}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
+        "message": _STR, "type": _STR, "param": _NULLABLE_STR, "code": _NULLABLE_STR}}}},
+    "Usage": _USAGE,
+    "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
+        **_SAMPLING,
+        "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR},
+                             {"type": "array", "items": _INT},
+                             {"type": "array", "items": {"type": "array", "items": _INT}}]},
+        "logprobs": _INT, "echo": _BOOL}},
+    "Completion": {"type": "object", "properties": {
+        "id": _STR, "object": {"type": "string", "enum": ["text_completion"]}, "created": _INT,
+        "model": _STR, "usage": {"$ref": "#/components/schemas/Usage"},
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": _INT, "text": _STR, "logprobs": {"type": "object", "nullable": True},
+            "finish_reason": _NULLABLE_STR}}}}},
+    "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
+        **_SAMPLING, "max_completion_tokens": _INT, "logprobs": _BOOL, "top_logprobs": _INT,
+        "messages": {"type": "array", "items": {"type": "object", "required": ["role"],
+                                                "properties": {"role": _STR,
+                                                               "content": _STR}}}}},
+    "ChatCompletion": {"type": "object", "properties": {
+        "id": _STR, "object": {"type": "string", "enum": ["chat.completion"]}, "created": _INT,
+        "model": _STR, "usage": {"$ref": "#/components/schemas/Usage"},
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": _INT, "message": {"type": "object", "properties": {"role": _STR,
+                                                                        "content": _STR}},
+            "logprobs": {"type": "object", "nullable": True},
+            "finish_reason": _NULLABLE_STR}}}}},
+    "ModelList": {"type": "object", "properties": {"object": _STR, "data": {
+        "type": "array", "items": {"type": "object", "properties": {
+            "id": _STR, "object": _STR, "created": _INT, "owned_by": _STR,
+            "max_model_len": _INT}}}}},
+    "FaultToleranceApply": {"type": "object", "required": ["instruction"], "properties": {
+        "instruction": {"type": "string", "enum": ["retry", "reinit"]},
+        "params": {"type": "object"}}},
+    "FaultInjection": {"type": "object", "required": ["kind"], "properties": {
+        "kind": {"type": "string", "enum": ["raise", "worker_exit", "hang"]}, "engine": _INT}},
+    "EngineStatusList": {"type": "object", "properties": {"engines": {
+        "type": "array", "items": {"type": "object", "properties": {
+            "engine_id": _INT, "state": _STR, "epoch": _INT, "fault_info": _NULLABLE_STR,
+            "last_action": _NULLABLE_STR, "last_action_error": _NULLABLE_STR}}}}},
+}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _op(summary: str, response: dict[str, Any] | None = None, request: str | None = None,
+        content_type: str = "application/json", status: str = "200") -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {
+        status: {"description": "OK", "content": {content_type: {"schema": response or {}}}},
+        "default": {"description": "Error", "content": {"application/json": {
+            "schema": _ref("Error")}}}}}
+    if request is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": _ref(request)}}}
+    return op
+
+
+def openapi_document() -> dict[str, Any]:
+    stream_note = " (text/event-stream when stream is true)"
+    paths = {
+        "/v1/models": {"get": _op("List the served model", _ref("ModelList"))},
+        "/v1/completions": {"post": _op("Create a completion" + stream_note,
+                                        _ref("Completion"), "CompletionRequest")},
+        "/v1/chat/completions": {"post": _op("Create a chat completion" + stream_note,
+                                             _ref("ChatCompletion"), "ChatCompletionRequest")},
+        "/health": {"get": _op("200 when every engine is healthy, else 503",
+                               {"type": "object"})},
+        "/version": {"get": _op("Server version", {"type": "object",
+                                                   "properties": {"version": _STR}})},
+        "/metrics": {"get": _op("Prometheus metrics", _STR, content_type="text/plain")},
+        "/openapi.json": {"get": _op("This document", {"type": "object"})},
+        "/fault_tolerance/apply": {"post": _op("Start recovery of the data-parallel group",
+                                               {"type": "object",
+                                                "properties": {"request_id": _STR}},
+                                               "FaultToleranceApply", status="202")},
+        "/fault_tolerance/status": {"get": _op("Per-engine health",
+                                               _ref("EngineStatusList"))},
+        "/fault_tolerance/inject": {"post": _op("Inject a fault (--enable-fault-injection)",
+                                                {"type": "object"}, "FaultInjection")},
+    }
+    return {"openapi": "3.0.3",
+            "info": {"title": "bastion", "version": __version__,
+                     "description": "OpenAI-compatible LLM inference server"},
+            "paths": paths,
+            "components": {"schemas": _SCHEMAS,
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}

@@ -1,0 +1,109 @@
+"""Finding, building and filling models and tokenizers.
+
+Entry points: ``resolve_model`` (what to load), ``load_model``, ``load_tokenizer``,
+``get_max_model_len``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from bastion.core.config import ConfigError, ModelConfig
+from bastion.core.loader.dummy import init_dummy_weights
+from bastion.core.loader.embedded import embedded_gguf_path
+from bastion.core.loader.gguf_loader import ensure_converted, is_gguf_file
+from bastion.core.loader.hf_loader import iter_safetensors, load_hf_config
+from bastion.core.loader.tokenizer import load_tokenizer_from
+from bastion.core.models.registry import get_model_class
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_MAX_LEN_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+
+
+class ResolvedModel(NamedTuple):
+    path: str  # the GGUF file or the Hugging Face folder the user named
+    format: str  # gguf | hf | dummy
+    hf_config: PretrainedConfig
+
+
+def resolve_model(model_config: ModelConfig) -> ResolvedModel:
+    """Decide what ``model_config`` points at and read its config (converting a GGUF file into
+    the cache on first use). ``model=None`` is the embedded SmolLM2-135M-Instruct GGUF."""
+    path = model_config.model or embedded_gguf_path()
+    fmt = model_config.load_format
+    if fmt == "auto":
+        fmt = "gguf" if is_gguf_file(path) else "hf"
+    if fmt == "gguf":
+        if not is_gguf_file(path):
+            raise ConfigError(f"{path} is not a GGUF file")
+        folder = ensure_converted(path)
+    else:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ConfigError(f"{path} is neither a GGUF file nor a model folder")
+    hf_config = load_hf_config(folder, model_config.hf_overrides)
+    if not getattr(hf_config, "architectures", None):
+        raise ConfigError(f"{path}: config.json names no architectures")
+    return ResolvedModel(str(path), fmt, hf_config)
+
+
+def weights_folder(resolved: ResolvedModel) -> Path:
+    return ensure_converted(resolved.path) if resolved.format == "gguf" else Path(resolved.path)
+
+
+def load_model(model_config: ModelConfig, resolved: ResolvedModel) -> nn.Module:
+    """Build the model on ``model_config.device`` in ``model_config.torch_dtype`` and fill it
+    (this TP rank's shards); returned in eval mode."""
+    start = time.perf_counter()
+    model_cls = get_model_class(resolved.hf_config.architectures[0])
+    device = torch.device(model_config.device)
+    with torch.device(device):
+        model = model_cls(resolved.hf_config, model_config.torch_dtype)
+    if resolved.format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    else:
+        model.load_weights(iter_safetensors(weights_folder(resolved)))
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s (%s, %s) on %s in %.1f s", os.path.basename(resolved.path),
+                resolved.format, model_config.torch_dtype, device, time.perf_counter() - start)
+    return model
+
+
+def load_tokenizer(model_config: ModelConfig, resolved: ResolvedModel) -> PreTrainedTokenizerBase:
+    """``model_config.tokenizer`` when given; else the model's own (GGUF: from its metadata)."""
+    source = model_config.tokenizer or weights_folder(resolved)
+    return load_tokenizer_from(source)
+
+
+def get_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+    """The model's own limit by default; a larger request is an error."""
+    limit = next((int(getattr(hf_config, k)) for k in _MAX_LEN_KEYS
+                  if getattr(hf_config, k, None)), None)
+    if limit is None:
+        if requested is None:
+            raise ConfigError("the model config states no maximum length; pass max_model_len")
+        return requested
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ConfigError(f"max_model_len={requested} exceeds the model's limit of {limit} "
+                          "(max_position_embeddings); use a value <= that")
+    return requested
+
+
+__all__ = [
+    "ResolvedModel",
+    "embedded_gguf_path",
+    "get_max_model_len",
+    "load_model",
+    "load_tokenizer",
+    "resolve_model",
+]

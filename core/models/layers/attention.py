@@ -1,0 +1,48 @@
+"""The attention module: store this step's K/V in the paged cache, then attend over it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from bastion.core.forward_context import get_forward_context
+from bastion.ops.attention import paged_attention
+from bastion.ops.kv_store import store_kvcache
+from torch import nn
+
+
+class Attention(nn.Module):
+    """Paged causal attention for one layer, local to this TP rank.
+
+    The model runner assigns ``k_cache`` and ``v_cache`` ([num_blocks, block_size,
+    num_kv_heads, head_dim], contiguous) after it sizes the KV cache. Without a forward context
+    (or before the caches exist, e.g. a profiling run) all tokens are treated as one causal
+    sequence and nothing is stored.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` [T, Hq*D], ``k``/``v`` [T, Hk*D] -> [T, Hq*D]."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        meta = get_forward_context()
+        if meta is None or self.k_cache.numel() == 0:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
+        else:
+            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

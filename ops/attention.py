@@ -1,0 +1,99 @@
+"""Paged attention: causal attention of new tokens over their whole context in the paged cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from bastion.core.forward_context import AttentionMetadata
+from bastion.ops._dispatch import triton_launcher, use_triton
+
+# Decode batches gather their context in chunks of at most this many key elements (per cache),
+# so a large batch never materialises one huge gathered copy of the cache.
+_MAX_GATHER_ELEMENTS = 1 << 26
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``query`` [T, Hq, D] -> ``out`` [T, Hq, D].
+
+    Reads every key/value of each sequence (the cached prefix and the new tokens, which were
+    stored first) from the caches [num_blocks, block_size, Hk, D] through ``meta.block_tables``.
+    GQA: ``Hq`` is a multiple of ``Hk``. Rows of padding tokens past the last sequence are zero.
+    """
+    if use_triton(query, k_cache):
+        launcher = triton_launcher("unified_attention", "paged_attention_triton")
+        if launcher is not None:
+            return launcher(query, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(query, k_cache, v_cache, meta, scale)
+
+
+def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    out = torch.zeros_like(query)
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    decode_ids = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    if decode_ids:
+        _decode_batch(query, k_cache, v_cache, meta, scale, decode_ids, out)
+    if len(decode_ids) < len(seq_lens):
+        decode_set = set(decode_ids)
+        for i in range(len(seq_lens)):
+            if i not in decode_set and starts[i + 1] > starts[i]:
+                _prefill_one(query, k_cache, v_cache, meta, scale, i, out)
+    return out
+
+
+def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., length, Hk, D] context rows."""
+    rows = cache[block_ids.long()]  # [..., nb, block_size, Hk, D]
+    rows = rows.flatten(-4, -3)
+    return rows[..., :length, :, :]
+
+
+def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, i: int, out: torch.Tensor) -> None:
+    start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+    seq_len, q_len = meta.seq_lens_cpu[i], end - start
+    block_size = k_cache.shape[1]
+    block_ids = meta.block_tables[i, : (seq_len + block_size - 1) // block_size]
+    k = _gather_context(k_cache, block_ids, seq_len).transpose(0, 1)  # [Hk, S, D]
+    v = _gather_context(v_cache, block_ids, seq_len).transpose(0, 1)
+    q = query[start:end].transpose(0, 1)  # [Hq, q_len, D]
+    if q_len == seq_len:
+        mask, causal = None, True
+    else:
+        # New token j sits at position seq_len - q_len + j and sees keys up to that position.
+        pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
+        causal = False
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                       is_causal=causal, scale=scale,
+                                       enable_gqa=q.shape[0] != k.shape[0])
+    out[start:end] = o.transpose(0, 1)
+
+
+def _decode_batch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float, seq_ids: list[int],
+                  out: torch.Tensor) -> None:
+    """One new token per sequence: batched gather + masked matmul, chunked over sequences."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = query.shape[1]
+    group = num_q_heads // num_kv_heads
+    max_len = max(meta.seq_lens_cpu[i] for i in seq_ids)
+    per_seq = max_len * num_kv_heads * head_dim
+    chunk = max(1, _MAX_GATHER_ELEMENTS // per_seq)
+    num_blocks = (max_len + block_size - 1) // block_size
+    ids = torch.tensor(seq_ids, device=query.device)
+    token_idx = meta.query_start_loc[ids].long()
+    for lo in range(0, len(seq_ids), chunk):
+        idx, tok = ids[lo:lo + chunk], token_idx[lo:lo + chunk]
+        tables = meta.block_tables[idx, :num_blocks]
+        k = _gather_context(k_cache, tables, max_len).to(query.dtype)  # [b, L, Hk, D]
+        v = _gather_context(v_cache, tables, max_len).to(query.dtype)
+        q = query[tok].view(-1, num_kv_heads, group, head_dim)  # [b, Hk, G, D]
+        scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
+        lens = meta.seq_lens[idx].long()
+        invalid = torch.arange(max_len, device=query.device)[None, :] >= lens[:, None]
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        o = torch.einsum("bkgl,blkd->bkgd", probs, v)
+        out[tok] = o.reshape(-1, num_q_heads, head_dim)

@@ -1,0 +1,149 @@
+"""The engine's client of its worker processes (one per TP rank), over ZeroMQ.
+
+Implements ``core.executor.Executor``. Every call watches the workers: a worker that dies or
+reports a failure raises ``WorkerFailure`` so the engine (and its sentinel) can act.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import zmq
+
+from bastion.core.config import EngineConfig
+from bastion.ipc.codec import MsgKind, decode, encode, shutdown_frames
+from bastion.ipc.messages import (
+    Failure,
+    HandshakeInfo,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerCall,
+    WorkerReply,
+)
+from bastion.procs.lifecycle import Child, HandshakeServer, encode_config, ipc_address, spawn_child
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died, failed a step or stopped answering."""
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, runtime_dir: str, engine_id: int,
+                 startup_timeout_s: float = 300.0) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.ctx = zmq.Context.instance()
+        self.num_workers = config.parallel.tensor_parallel_size
+        self._call_ids = itertools.count()
+        prefix = f"engine{engine_id}"
+        out_addr = ipc_address(runtime_dir, f"{prefix}-worker-out")
+        self.outbox = self.ctx.socket(zmq.PULL)
+        self.outbox.bind(out_addr)
+        self.inboxes = []
+        infos = {}
+        for rank in range(self.num_workers):
+            addr = ipc_address(runtime_dir, f"{prefix}-execute-{rank}")
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(addr)
+            self.inboxes.append(sock)
+            infos[rank] = HandshakeInfo(encode_config(config),
+                                        {"execute": addr, "worker_out": out_addr,
+                                         "runtime_dir": runtime_dir}, rank)
+        handshake = HandshakeServer(self.ctx, ipc_address(runtime_dir, f"{prefix}-workers-hs"))
+        self.workers: list[Child] = [
+            spawn_child("worker", rank, f"bastion::worker-{engine_id}-{rank}", handshake.address)
+            for rank in range(self.num_workers)]
+        try:
+            handshake.run(self.workers, infos, startup_timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+        finally:
+            handshake.close()
+
+    # -------------------------------------------------------------------------- plumbing
+
+    def _broadcast(self, frames: list[bytes]) -> None:
+        for sock in self.inboxes:
+            sock.send_multipart(frames, copy=False)
+
+    def _recv(self, timeout_s: float | None) -> tuple[MsgKind, object]:
+        """Next worker message; raises if a worker died or ``timeout_s`` passed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.outbox.poll(500):
+            self.check_workers()
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerFailure(f"no answer from the workers of engine {self.engine_id} "
+                                    f"within {timeout_s:.0f} s")
+        kind, msg = decode(self.outbox.recv_multipart())
+        if kind == MsgKind.FAILURE:
+            assert isinstance(msg, Failure)
+            raise WorkerFailure(f"worker {self.engine_id}-{msg.rank} failed:\n{msg.message}")
+        return kind, msg
+
+    def check_workers(self) -> None:
+        for worker in self.workers:
+            if not worker.is_alive():
+                raise WorkerFailure(f"{worker.title} exited with code {worker.proc.returncode}")
+
+    def call(self, method: str, *args: object, timeout_s: float | None = 600.0) -> list[object]:
+        """Run ``method`` on every worker; results by rank."""
+        call_id = next(self._call_ids)
+        self._broadcast(encode(WorkerCall(call_id, method, list(args))))
+        results: dict[int, object] = {}
+        while len(results) < self.num_workers:
+            kind, msg = self._recv(timeout_s)
+            if kind != MsgKind.WORKER_REPLY or msg.call_id != call_id:
+                continue  # a stale reply from before a reset
+            assert isinstance(msg, WorkerReply)
+            if msg.failure is not None:
+                raise WorkerFailure(f"worker {self.engine_id}-{msg.rank}: {method}: {msg.failure}")
+            results[msg.rank] = msg.result
+        return [results[r] for r in range(self.num_workers)]
+
+    # -------------------------------------------------------------------- Executor interface
+
+    def kv_cache_bytes_per_block(self) -> int:
+        self._kv_info = self.call("kv_info")
+        return self._kv_info[0]["bytes_per_block"]
+
+    def available_kv_cache_bytes(self) -> int:
+        # NOTE: every rank holds a 1/TP slice of the heads; the smallest budget bounds them all.
+        return min(info["available_bytes"] for info in self._kv_info)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.call("init_kv", num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._broadcast(encode(sched))
+        while True:
+            kind, msg = self._recv(timeout_s=None)
+            if kind == MsgKind.RUNNER_OUTPUT and msg.step_id == sched.step_id:
+                return msg
+
+    def reset(self) -> None:
+        self.call("reset", timeout_s=30.0)
+
+    def inject_fault(self, kind: str, rank: int = 0) -> None:
+        frames = encode(WorkerCall(next(self._call_ids), "inject_fault", [kind]))
+        self.inboxes[rank].send_multipart(frames)
+
+    def shutdown(self) -> None:
+        for sock in self.inboxes:
+            try:
+                sock.send_multipart(shutdown_frames(), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for worker in self.workers if hasattr(self, "workers") else []:
+            try:
+                worker.proc.wait(3.0)
+            except Exception:
+                worker.kill()
+        for sock in self.inboxes:
+            sock.close(linger=0)
+        self.outbox.close(linger=0)

@@ -1,0 +1,177 @@
+"""Process plumbing shared by every role: titles, dying with the parent, spawning children and
+the HELLO / HANDSHAKE / READY start-up protocol."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from bastion.ipc.codec import MsgKind, decode, encode
+from bastion.ipc.messages import Failure, HandshakeInfo, Hello, Ready
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StartupError(RuntimeError):
+    """A child failed to start; the message names the child."""
+
+
+def set_process_title(title: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # the title is cosmetic; never fail start-up over it
+        pass
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL us when the parent dies; a watcher thread covers the race
+    where the parent died before the request took effect (and non-Linux systems)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def make_runtime_dir() -> str:
+    """A private (0700) directory for this server's ipc:// sockets."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and not os.access(base, os.W_OK):
+        base = None
+    path = tempfile.mkdtemp(prefix="bastion-", dir=base)
+    os.chmod(path, 0o700)
+    return path
+
+
+def remove_runtime_dir(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def ipc_address(runtime_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(runtime_dir, name)}"
+
+
+@dataclass
+class Child:
+    role: str
+    rank: int
+    title: str
+    proc: subprocess.Popen
+
+    @property
+    def name(self) -> str:
+        return self.title
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``; always reaps."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def spawn_child(role: str, rank: int, title: str, handshake_address: str,
+                env: dict[str, str] | None = None) -> Child:
+    """Start ``python -m bastion.procs.child``; it says HELLO on ``handshake_address``."""
+    cmd = [sys.executable, "-m", "bastion.procs.child", role, str(rank), title,
+           handshake_address, str(os.getpid())]
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+    return Child(role, rank, title, proc)
+
+
+class HandshakeServer:
+    """The parent's side of start-up: answers each child's HELLO, then waits for READY."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.socket = ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.address = address
+
+    def run(self, children: list[Child], info_for: dict[int, HandshakeInfo],
+            timeout_s: float) -> dict[int, Ready]:
+        """Drive every child through HELLO -> HANDSHAKE -> READY, or raise naming the child."""
+        deadline = time.monotonic() + timeout_s
+        by_rank = {c.rank: c for c in children}
+        ready: dict[int, Ready] = {}
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while len(ready) < len(children):
+            for child in children:
+                if child.rank not in ready and not child.is_alive():
+                    raise StartupError(f"{child.title} exited with code {child.proc.returncode} "
+                                       "during start-up (see its log above)")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [c.title for c in children if c.rank not in ready]
+                raise StartupError(f"{', '.join(missing)} did not become ready within "
+                                   f"{timeout_s:.0f} s")
+            if not poller.poll(min(remaining, 0.2) * 1000):
+                continue
+            identity, *frames = self.socket.recv_multipart()
+            kind, msg = decode(frames)
+            if kind == MsgKind.HELLO:
+                assert isinstance(msg, Hello)
+                self.socket.send_multipart([identity, *encode(info_for[msg.rank])])
+            elif kind == MsgKind.READY:
+                assert isinstance(msg, Ready)
+                ready[msg.rank] = msg
+            elif kind == MsgKind.FAILURE:
+                assert isinstance(msg, Failure)
+                name = by_rank[msg.rank].title if msg.rank in by_rank else msg.role
+                raise StartupError(f"{name} failed to start: {msg.message}")
+        return ready
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def child_handshake(ctx: zmq.Context, address: str, role: str, rank: int,
+                    timeout_s: float = 60.0) -> tuple[zmq.Socket, HandshakeInfo]:
+    """The child's side: say HELLO, receive what to run and where."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    sock.send_multipart(encode(Hello(role, rank, os.getpid())))
+    if not sock.poll(timeout_s * 1000):
+        raise StartupError(f"{role}-{rank}: no handshake reply from the parent")
+    kind, msg = decode(sock.recv_multipart())
+    assert kind == MsgKind.HANDSHAKE and isinstance(msg, HandshakeInfo)
+    return sock, msg
+
+
+def encode_config(config: object) -> bytes:
+    return msgspec.json.encode(config)

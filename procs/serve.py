@@ -1,0 +1,155 @@
+"""``bastion serve``: the API process (``bastion::api``) and the life of the whole server.
+
+Start-up: resolve the model and tokenizer, start the engine processes (each starts its
+workers), then serve HTTP on uvloop. SIGTERM/SIGINT: stop admitting, drain in-flight requests
+up to ``--drain-timeout``, stop the engines, exit 0; a second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+
+from aiohttp import web
+
+from bastion.core.config import build_engine_config
+from bastion.core.loader import get_max_model_len, load_tokenizer, resolve_model
+from bastion.procs.engine_client import AsyncEngineClient
+from bastion.procs.lifecycle import make_runtime_dir, remove_runtime_dir, set_process_title
+from bastion.procs.logs import setup_logging
+from bastion.procs.sd_notify import Notifier, ping_watchdog
+
+logger = logging.getLogger("bastion.serve")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("BASTION_API_KEY"))
+    parser.add_argument("--admin-key", default=os.environ.get("BASTION_ADMIN_KEY"))
+    parser.add_argument("--enable-fault-injection", action="store_true")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish on SIGTERM")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from bastion.procs.cli import engine_kwargs
+
+    setup_logging(args.log_level)
+    set_process_title("bastion::api")
+    kwargs = engine_kwargs(args)
+    if args.model_tag and not kwargs.get("model"):
+        kwargs["model"] = args.model_tag
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        logger.warning("uvloop is not installed; using asyncio's default loop")
+    return asyncio.run(Server(args, kwargs).run())
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace, engine_kwargs: dict) -> None:
+        self.args = args
+        self.engine_kwargs = engine_kwargs
+        # Children must not inherit NOTIFY_SOCKET: only this process speaks to systemd.
+        self.notifier = Notifier(unset_environment=True)
+        self.stop_event = asyncio.Event()
+        self.num_signals = 0
+        self.exit_code = 0
+
+    def _on_signal(self, signum: int) -> None:
+        self.num_signals += 1
+        if self.num_signals == 1:
+            logger.info("received %s: draining", signal.Signals(signum).name)
+            self.stop_event.set()
+        else:
+            logger.warning("second signal: stopping now")
+            self.force_stop = True
+            self.stop_event.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        self.force_stop = False
+        t0 = time.perf_counter()
+        watchdog = loop.create_task(ping_watchdog(self.notifier, self._is_making_progress))
+        self.notifier.status("loading")
+        config = build_engine_config(**self.engine_kwargs)
+        resolved = resolve_model(config.model)
+        max_model_len = get_max_model_len(resolved.hf_config, config.model.max_model_len)
+        tokenizer = load_tokenizer(config.model, resolved)
+        model_name = config.model.served_model_name or os.path.basename(resolved.path)
+        runtime_dir = make_runtime_dir()
+        client = AsyncEngineClient(config, tokenizer, model_name, max_model_len,
+                                   tokenizer.eos_token_id, runtime_dir)
+        self.client = client
+        runner = None
+        try:
+            info = await loop.run_in_executor(None, client.start, self.args.startup_timeout)
+            logger.info("engines ready in %.1f s: %s", time.perf_counter() - t0, info)
+            client.start_output_loop()
+            app = self._build_app(client)
+            # handler_cancellation: a client that goes away cancels its handler, which aborts
+            # the request in the engine (also for non-streamed requests).
+            runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                                   handler_cancellation=True)
+            await runner.setup()
+            site = web.TCPSite(runner, self.args.host, self.args.port)
+            await site.start()
+            logger.info("serving %s on http://%s:%d", model_name, self.args.host, self.args.port)
+            self.notifier.ready()
+            self.notifier.status("serving")
+            await self._wait_until_stopped(client, app)
+        finally:
+            watchdog.cancel()
+            self.notifier.stopping()
+            if runner is not None:
+                await runner.cleanup()
+            await client.shutdown()
+            remove_runtime_dir(runtime_dir)
+            logger.info("stopped (exit code %d)", self.exit_code)
+        return self.exit_code
+
+    def _is_making_progress(self) -> bool:
+        client = getattr(self, "client", None)
+        return client is None or client.engines_alive()
+
+    def _build_app(self, client: AsyncEngineClient) -> web.Application:
+        from bastion.api.server import ApiConfig, build_app
+
+        api_config = ApiConfig(host=self.args.host, port=self.args.port,
+                               api_key=self.args.api_key, admin_key=self.args.admin_key,
+                               served_model_name=client.model_name,
+                               enable_fault_injection=self.args.enable_fault_injection)
+        app = build_app(client, api_config)
+        from bastion.api.server import METRICS_KEY
+
+        client.on_stats = app[METRICS_KEY].observe_scheduler_stats
+        return app
+
+    async def _wait_until_stopped(self, client: AsyncEngineClient, app: web.Application) -> None:
+        while not self.stop_event.is_set():
+            try:
+                await asyncio.wait_for(self.stop_event.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+            if not client.engines_alive():
+                logger.error("an engine process died and cannot be recovered; exiting")
+                self.exit_code = 1
+                return
+        from bastion.api.server import STATE_KEY
+
+        app[STATE_KEY].is_draining = True
+        self.notifier.status("draining")
+        deadline = time.monotonic() + self.args.drain_timeout
+        while client.num_unfinished and time.monotonic() < deadline and not self.force_stop:
+            await asyncio.sleep(0.05)

