@@ -136,6 +136,26 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class FaultToleranceConfig:
+    """Sentinels: detection bounds and the recovery policy."""
+
+    ft_auto_recovery: bool = True  # sentinels run retry/reinit themselves
+    ft_max_attempts: int = 3  # recovery attempts per fault before the group is declared dead
+    ft_backoff_s: float = 1.0  # wait before attempt k is backoff * 2**(k-1)
+    ft_recovery_timeout_s: float = 120.0  # one attempt (pause, restart, regroup) must fit in it
+    ft_hang_timeout_s: float = 30.0  # no heartbeat progress for this long is a hang
+    ft_inflight: str = "resume"  # resume | abort: what happens to in-flight requests on a fault
+
+    def __post_init__(self) -> None:
+        if self.ft_inflight not in ("resume", "abort"):
+            raise ConfigError(f"ft_inflight must be resume or abort; got {self.ft_inflight!r}")
+        if self.ft_max_attempts < 1:
+            raise ConfigError("ft_max_attempts must be at least 1")
+        if self.ft_hang_timeout_s <= 0 or self.ft_recovery_timeout_s <= 0:
+            raise ConfigError("ft_hang_timeout_s and ft_recovery_timeout_s must be positive")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine core needs; built once, validated, then read-only."""
 
@@ -143,6 +163,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -150,9 +171,9 @@ class EngineConfig:
 
 def build_engine_config(**kwargs: Any) -> EngineConfig:
     """Route flat keyword arguments (as the CLI and ``LLM(...)`` take them) to their component."""
-    parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}}
     classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-               "parallel": ParallelConfig}
+               "parallel": ParallelConfig, "fault_tolerance": FaultToleranceConfig}
+    parts: dict[str, dict[str, Any]] = {part: {} for part in classes}
     owners = {f.name: part for part, cls in classes.items() for f in dataclasses.fields(cls)}
     for key, value in kwargs.items():
         if key not in owners:

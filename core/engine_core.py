@@ -77,10 +77,10 @@ class EngineCore:
         return EngineCoreOutputs(self.engine_id, outputs, self.scheduler.make_stats(),
                                  time.time())
 
-    def reset_for_recovery(self) -> None:
-        """Drop running batches and KV state; keep requests queued to resume from their tokens."""
-        self.scheduler.requeue_all()
-        self.executor.reset()
+    def drop_all_requests(self) -> None:
+        """Forget every request and all KV state, with no outputs (fault recovery: the front
+        end holds the requests and resubmits them with the tokens already produced)."""
+        self.scheduler.drop_all()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

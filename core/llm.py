@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from bastion.core.config import EngineConfig, build_engine_config
 from bastion.core.engine_core import EngineCore
-from bastion.core.executor import UniProcExecutor
+from bastion.core.executor import Executor, UniProcExecutor
 from bastion.core.loader import get_max_model_len, load_tokenizer, resolve_model
 from bastion.core.output_processor import OutputProcessor, fan_out
 from bastion.core.outputs import RequestOutput
@@ -37,15 +38,62 @@ class LLM:
             self.eos_token_id = getattr(resolved.hf_config, "eos_token_id", None)
             if isinstance(self.eos_token_id, list):
                 self.eos_token_id = self.eos_token_id[0]
-        executor = UniProcExecutor(self.config)
-        self.engine = EngineCore(self.config, executor, self.max_model_len)
+        self._runtime_dir: str | None = None
+        self.engine: EngineCore | None = None
+        executor = self._make_executor()
+        try:
+            self.engine = EngineCore(self.config, executor, self.max_model_len)
+        except BaseException:
+            executor.shutdown()
+            self._remove_runtime_dir()
+            raise
         self._counter = itertools.count()
+
+    def _make_executor(self) -> Executor:
+        """In this process for one device; worker processes (one per TP rank) otherwise."""
+        if self.config.parallel.tensor_parallel_size == 1:
+            return UniProcExecutor(self.config)
+        from bastion.procs.executor import MultiprocExecutor
+        from bastion.procs.lifecycle import make_runtime_dir
+
+        self._runtime_dir = make_runtime_dir()
+        try:
+            return MultiprocExecutor(self.config, self._runtime_dir, engine_id=0)
+        except BaseException:
+            self._remove_runtime_dir()
+            raise
+
+    def _remove_runtime_dir(self) -> None:
+        from bastion.procs.lifecycle import remove_runtime_dir
+
+        remove_runtime_dir(self._runtime_dir)
+        self._runtime_dir = None
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (if any) and remove their socket directory; idempotent."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+        self._remove_runtime_dir()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # Best effort for callers that never shut down; worker processes also die with us.
+        with contextlib.suppress(Exception):
+            self.shutdown()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``) as one
         continuously batched workload; results come back in prompt order."""
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

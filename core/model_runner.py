@@ -7,13 +7,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-
 from bastion.core.config import EngineConfig
+from bastion.core.cuda_graphs import CUDAGraphRunner, DecodeInputs, default_capture_sizes
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
-from bastion.core.loader import load_model, resolve_model
+from bastion.core.loader import get_max_model_len, load_model, resolve_model
 from bastion.core.sampler import Sampler, SamplerOutput, SamplingMetadata
 from bastion.ipc.messages import Logprobs, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from bastion.ops.communicator import get_tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,29 @@ class CachedRequestState:
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     generator: torch.Generator | None = None
     eos_token_id: int | None = None
+    # The block ids again as a growing int32 array (first ``num_blocks`` valid), so a decode
+    # step builds its block table with one numpy copy per row instead of a list conversion.
+    block_table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int32))
+    num_blocks: int = 0
+    # Greedy with nothing that changes the logits (no penalties, min_tokens or logprobs): the
+    # token is the plain argmax, so an all-such batch skips building sampling metadata.
+    is_plain_greedy: bool = False
+
+    def append_blocks(self, new_block_ids: list[int]) -> None:
+        self.block_ids.extend(new_block_ids)
+        end = self.num_blocks + len(new_block_ids)
+        if end > len(self.block_table):
+            grown = np.zeros(max(end, 2 * len(self.block_table)), dtype=np.int32)
+            grown[:self.num_blocks] = self.block_table[:self.num_blocks]
+            self.block_table = grown
+        self.block_table[self.num_blocks:end] = new_block_ids
+        self.num_blocks = end
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return (params.is_greedy and params.logprobs is None and params.min_tokens == 0
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0)
 
 
 class ModelRunner:
@@ -40,6 +65,11 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
+        # Built (and captured) with the KV cache on a GPU unless the model config asks for
+        # eager mode; decode-only batches that fit a bucket replay a graph.
+        self.graph_runner: CUDAGraphRunner | None = None
+        self.use_cuda_graphs = (self.device.type == "cuda"
+                                and not getattr(config.model, "enforce_eager", False))
 
     # ------------------------------------------------------------------------- set-up
 
@@ -48,6 +78,8 @@ class ModelRunner:
         self.resolved = resolve_model(self.config.model)
         self.model = load_model(self.config.model, self.resolved)
         self.vocab_size = self.resolved.hf_config.vocab_size
+        self.max_model_len = get_max_model_len(self.resolved.hf_config,
+                                               self.config.model.max_model_len)
         logger.info("model loaded in %.2f s", time.perf_counter() - start)
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -77,7 +109,7 @@ class ModelRunner:
         # One prefill of the whole token budget into a scratch cache just big enough for it.
         num_tokens = self.config.scheduler.max_num_batched_tokens
         num_blocks = -(-num_tokens // self.block_size)
-        self.initialize_kv_cache(num_blocks)
+        self._allocate_kv_cache(num_blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         meta = _dummy_prefill_metadata(num_tokens, num_blocks, self.block_size, self.device)
@@ -90,6 +122,20 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then (on a GPU) capture the decode CUDA graphs over it."""
+        self._allocate_kv_cache(num_blocks)
+        if self.use_cuda_graphs:
+            self.graph_runner = self.build_graph_runner()
+            self.graph_runner.capture()
+
+    def build_graph_runner(self) -> CUDAGraphRunner:
+        sizes = default_capture_sizes(self.config.scheduler.max_num_seqs)
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return CUDAGraphRunner(self.model, sizes, max_blocks_per_seq, self.block_size,
+                               self.device)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        # NOTE: captured graphs hold these addresses; reallocating means capturing again.
         for layer in self.model.attention_layers():
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -109,33 +155,87 @@ class ModelRunner:
             generator = None
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
-            self.requests[new.request_id] = CachedRequestState(
-                new.request_id, new.prompt_token_ids, new.sampling_params, list(new.block_ids),
+            state = CachedRequestState(
+                new.request_id, new.prompt_token_ids, new.sampling_params, [],
                 new.num_computed_tokens, list(new.output_token_ids),
-                new.prompt_token_ids + new.output_token_ids, generator, new.eos_token_id)
+                new.prompt_token_ids + new.output_token_ids, generator, new.eos_token_id,
+                is_plain_greedy=_is_plain_greedy(new.sampling_params))
+            state.append_blocks(new.block_ids)
+            self.requests[new.request_id] = state
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
+            state.append_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_delta(sched)
         if not sched.num_scheduled_tokens:
+            if sched.is_dummy:
+                self._dummy_run()
             return ModelRunnerOutput(step_id=sched.step_id)
-        batch = self._prepare_inputs(sched)
-        with set_forward_context(batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions)
-        if not batch.sample_ids:
-            return ModelRunnerOutput(step_id=sched.step_id)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        states = [self.requests[rid] for rid in batch.sample_ids]
+        decode = self._prepare_decode(sched) if self.graph_runner is not None else None
+        if decode is not None:
+            states, inputs = decode
+            logits = self.model.compute_logits(self.graph_runner.run(inputs))
+        else:
+            batch = self._prepare_inputs(sched)
+            with set_forward_context(batch.meta):
+                hidden = self.model(batch.input_ids, batch.positions)
+            if not batch.sample_ids:
+                return ModelRunnerOutput(step_id=sched.step_id)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            states = [self.requests[rid] for rid in batch.sample_ids]
+        out = _sync_sampled_tokens(self._sample(logits, states))
+        return self._finish_step(sched.step_id, states, out)
+
+    def _dummy_run(self) -> None:
+        """One token through the model, stored nowhere (slot -1): an idle DP rank's share of
+        the MoE layers' expert-parallel collectives while other ranks have work."""
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((1,), -1, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+            max_query_len=1, max_seq_len=1, query_start_loc_cpu=[0, 1], seq_lens_cpu=[1])
+        with set_forward_context(meta):
+            self.model(torch.zeros(1, dtype=torch.long, device=dev),
+                       torch.zeros(1, dtype=torch.long, device=dev))
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
+        if all(s.is_plain_greedy for s in states):
+            # The sampler would apply no processor to these rows and take the argmax.
+            return SamplerOutput(logits.argmax(dim=-1), None)
         meta = SamplingMetadata.build(
             [s.params for s in states], [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states], [s.generator for s in states],
             [s.eos_token_id for s in states], self.device, logits.shape[-1])
-        out = self.sampler(logits, meta)
-        return self._finish_step(sched.step_id, states, out)
+        return self.sampler(logits, meta)
+
+    def _prepare_decode(self, sched: SchedulerOutput
+                        ) -> tuple[list[CachedRequestState], DecodeInputs] | None:
+        """Host arrays for a batch where every sequence feeds its last token and samples the
+        next; None for anything else (prefill chunks, or a batch no graph bucket holds)."""
+        num_seqs = len(sched.num_scheduled_tokens)
+        if sched.total_num_scheduled_tokens != num_seqs:
+            return None
+        states = [self.requests[rid] for rid in sched.num_scheduled_tokens]
+        positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)
+        input_ids = np.fromiter((s.token_ids[-1] for s in states), np.int64, num_seqs)
+        lengths = np.fromiter((len(s.token_ids) for s in states), np.int64, num_seqs)
+        if not np.array_equal(positions + 1, lengths):  # a 1-token chunk of a longer prompt
+            return None
+        bs = self.block_size
+        width = int(positions.max()) // bs + 1
+        if not self.graph_runner.can_run(num_seqs, width):
+            return None
+        tables = np.zeros((num_seqs, width), dtype=np.int32)
+        for row, state in zip(tables, states):
+            n = min(state.num_blocks, width)
+            row[:n] = state.block_table[:n]
+        slots = tables[np.arange(num_seqs), positions // bs].astype(np.int64) * bs + positions % bs
+        return states, DecodeInputs(input_ids, positions, slots, tables)
 
     def _finish_step(self, step_id: int, states: list[CachedRequestState],
                      out: SamplerOutput) -> ModelRunnerOutput:
@@ -178,21 +278,40 @@ class ModelRunner:
                 sample_ids.append(request_id)
         width = max(len(t) for t in tables)
         dev = self.device
+        table = np.zeros((len(tables), width), dtype=np.int32)
+        for row, blocks in zip(table, tables):
+            row[:len(blocks)] = blocks
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                      dtype=torch.int32, device=dev),
+            slot_mapping=_to_device(slots, torch.long, dev),
+            query_start_loc=_to_device(query_start_loc, torch.int32, dev),
+            seq_lens=_to_device(seq_lens, torch.int32, dev),
+            block_tables=_to_device(table, torch.int32, dev),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        return _Batch(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                      torch.tensor(positions, dtype=torch.long, device=dev),
-                      meta, torch.tensor(logits_indices, dtype=torch.long, device=dev),
-                      sample_ids)
+        return _Batch(_to_device(input_ids, torch.long, dev),
+                      _to_device(positions, torch.long, dev), meta, _to_device(logits_indices, torch.long, dev), sample_ids)
+
+
+def _to_device(values: list[int] | np.ndarray, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """Host values to ``device``; on a GPU through pinned memory and a non-blocking copy, so
+    building the next tensor overlaps the transfer instead of waiting for it."""
+    if device.type != "cuda":
+        return torch.as_tensor(values, dtype=dtype)
+    host = torch.as_tensor(values, dtype=dtype).pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _sync_sampled_tokens(out: SamplerOutput) -> SamplerOutput:
+    """Every TP rank takes TP rank 0's tokens: unseeded random draws differ per process, and
+    the next step's inputs must be the same on all ranks."""
+    tp = get_tp_group()
+    if tp.world_size > 1:
+        tp.broadcast(out.sampled_token_ids, src=0)
+    return out
 
 
 @dataclass

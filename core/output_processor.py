@@ -77,6 +77,11 @@ class OutputProcessor:
         self.seqs[request.request_id] = SeqState(parent_id, index, params, detok, output)
         return output
 
+    def output_token_ids(self, request_id: str) -> list[int]:
+        """Tokens produced so far for a tracked request (what a resubmission resumes after)."""
+        seq = self.seqs.get(request_id)
+        return seq.output.token_ids if seq is not None else []
+
     def remove(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
 

@@ -45,8 +45,11 @@ class Request:
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:
-        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                   req.arrival_time, req.deadline, req.priority)
+        request = cls(req.request_id, req.prompt_token_ids, req.sampling_params,
+                      req.eos_token_id, req.arrival_time, req.deadline, req.priority)
+        for token_id in req.resumed_output_token_ids:
+            request.append_output_token(token_id)
+        return request
 
     @property
     def num_tokens(self) -> int:

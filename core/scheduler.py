@@ -240,15 +240,12 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- fault handling
 
-    def requeue_all(self) -> None:
-        """Drop all KV state; keep every request, to be recomputed from prompt + outputs."""
-        for request in reversed(self.running):
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            self.waiting.appendleft(request)
+    def drop_all(self) -> None:
+        """Forget every request and the whole KV state."""
+        self.requests.clear()
+        self.waiting.clear()
         self.running.clear()
-        for request in self.waiting:
-            request.num_computed_tokens = 0
+        self.rejected.clear()
         self.kv.reset()
         self.known_by_workers.clear()
         self.finished_ids.clear()

@@ -28,6 +28,9 @@ class MsgKind(enum.IntEnum):
     WORKER_CALL = 12
     WORKER_REPLY = 13
     SHUTDOWN = 14
+    CONTROL = 15
+    CONTROL_REPLY = 16
+    PEER = 17
 
 
 _TYPES: dict[MsgKind, type] = {
@@ -45,6 +48,9 @@ _TYPES: dict[MsgKind, type] = {
     MsgKind.WORKER_CALL: m.WorkerCall,
     MsgKind.WORKER_REPLY: m.WorkerReply,
     MsgKind.SHUTDOWN: m.AbortRequests,  # body unused
+    MsgKind.CONTROL: m.ControlRequest,
+    MsgKind.CONTROL_REPLY: m.ControlReply,
+    MsgKind.PEER: m.PeerMessage,
 }
 _KIND_OF = {cls: kind for kind, cls in _TYPES.items() if kind != MsgKind.SHUTDOWN}
 _ENCODER = msgspec.msgpack.Encoder()

@@ -111,6 +111,8 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     deadline: float | None = None  # absolute time.time() after which the request fails
     priority: int = 0  # lower is served first when priority scheduling is on
     eos_token_id: int | None = None
+    # Tokens already produced (and streamed) before a fault: the request resumes after them.
+    resumed_output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, **_WIRE):
@@ -169,6 +171,7 @@ class EngineCoreOutputs(msgspec.Struct, **_WIRE):
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
     utility_result: UtilityResult | None = None
+    epoch: int = 0  # the DP group epoch the engine ran at; older epochs' outputs are stale
 
 
 class EngineState(enum.IntEnum):
@@ -225,6 +228,7 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     total_num_scheduled_tokens: int = 0
     finished_request_ids: list[str] = []  # forget these (finished, aborted or preempted)
     step_id: int = 0
+    is_dummy: bool = False  # MoE lockstep: an idle DP rank runs one dummy token (EP collectives)
 
 
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):
@@ -287,3 +291,47 @@ class WorkerReply(msgspec.Struct, **_WIRE):
     rank: int
     result: object = None
     failure: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# fault tolerance: engine <-> sentinel control, sentinel <-> sentinel, API -> sentinel
+# ---------------------------------------------------------------------------------------------
+
+
+class ControlRequest(msgspec.Struct, **_WIRE):
+    """Sentinel -> engine, on the engine's control thread (never waits behind a step).
+
+    ``command``: heartbeat | pause | recover | inject | shutdown."""
+
+    seq: int
+    command: str
+    args: dict[str, object] = {}
+
+
+class ControlReply(msgspec.Struct, **_WIRE):
+    """Engine -> sentinel. ``seq == -1``: an unsolicited fault report."""
+
+    seq: int
+    ok: bool = True
+    error: str | None = None
+    num_steps: int = 0
+    busy_for_s: float = 0.0  # how long the busy loop has been inside one step or collective
+    faulted: bool = False
+    fault_info: str | None = None
+    epoch: int = 0
+
+
+class PeerMessage(msgspec.Struct, **_WIRE):
+    """Between sentinels (and from a sentinel's API). ``kind``:
+    fault | pause | paused | recover | recovered | status | apply | apply_result | inject."""
+
+    kind: str
+    sender: int
+    epoch: int = 0
+    info: str | None = None
+    statuses: list[EngineStatus] = []
+    ports: dict[str, int] = {}
+    request_id: str | None = None
+    instruction: str | None = None
+    params: dict[str, object] = {}
+    ok: bool = True

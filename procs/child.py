@@ -41,6 +41,10 @@ def main(argv: list[str]) -> None:
             from bastion.procs.engine import run_engine
 
             run_engine(config, info, handshake, ctx)
+        elif role == "sentinel":
+            from bastion.sentinel.sentinel import run_sentinel
+
+            run_sentinel(config, info, handshake, ctx)
         else:
             raise ValueError(f"unknown role {role!r}")
     except SystemExit:

@@ -12,9 +12,16 @@ import sys
 import typing
 from typing import Any
 
-from bastion.core.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from bastion.core.config import (
+    CacheConfig,
+    FaultToleranceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
-_ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+_ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig,
+                   FaultToleranceConfig)
 _SKIP = {"hf_overrides", "device"}
 
 

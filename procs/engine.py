@@ -1,11 +1,14 @@
-"""Engine-core process (``bastion::engine-N``): the busy loop.
+"""Engine-core process (``bastion::engine-N``): the busy loop, plus its control thread.
 
-Socket I/O runs on daemon threads feeding queues, so the loop never waits on a socket:
+Work arrives on the input channel and is drained by a daemon thread into a queue; outputs go
+out through another. The loop reads as one sentence:
 
     while running:
         drain_inputs()      # block only when there is no work
-        step()              # schedule, execute, update
-        emit_outputs()
+        step()              # schedule, execute, update (or a dummy step in a coupled group)
+
+Control (the sentinel's heartbeat, pause, recover, fault injection) has its own channel and
+thread (``procs/engine_control.py``), so it is answered even while a step is stuck.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import os
 import queue
 import threading
 import time
+import traceback
 
+import torch
 import zmq
 
 from bastion.core.config import EngineConfig
@@ -24,6 +29,7 @@ from bastion.core.loader import get_max_model_len, resolve_model
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.messages import (
     AbortRequests,
+    ControlRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
     Failure,
@@ -32,24 +38,37 @@ from bastion.ipc.messages import (
     UtilityCall,
     UtilityResult,
 )
+from bastion.procs.engine_control import ControlThread, EngineHealth
 from bastion.procs.executor import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
 
 class EngineProc:
-    """Wraps an ``EngineCore`` with its input and output threads and the busy loop."""
+    """An ``EngineCore`` with its I/O threads, control thread and busy loop."""
 
-    def __init__(self, core: EngineCore, ctx: zmq.Context, input_addr: str,
-                 output_addr: str) -> None:
+    def __init__(self, core: EngineCore, executor: MultiprocExecutor, config: EngineConfig,
+                 ctx: zmq.Context, addresses: dict[str, str]) -> None:
         self.core = core
+        self.executor = executor
+        self.config = config
+        self.engine_id = core.engine_id
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
         self.running = True
-        threading.Thread(target=self._input_thread, args=(ctx, input_addr), daemon=True,
-                         name="engine-input").start()
-        threading.Thread(target=self._output_thread, args=(ctx, output_addr), daemon=True,
-                         name="engine-output").start()
+        self.health = EngineHealth()
+        self.dp_group = None  # the engines' CPU group, when the DP group is coupled (MoE + EP)
+        self.injected: str | None = None
+        self.is_coupled = (config.parallel.data_parallel_size > 1
+                           and config.parallel.enable_expert_parallel)
+        threading.Thread(target=self._input_thread, args=(ctx, addresses["input"]),
+                         daemon=True, name="engine-input").start()
+        threading.Thread(target=self._output_thread, args=(ctx, addresses["output"]),
+                         daemon=True, name="engine-output").start()
+        self.control = ControlThread(ctx, addresses["control"], self.health, self.inputs)
+        self.control.start()
+
+    # ------------------------------------------------------------------------- I/O threads
 
     def _input_thread(self, ctx: zmq.Context, address: str) -> None:
         sock = ctx.socket(zmq.PULL)
@@ -59,8 +78,7 @@ class EngineProc:
             try:
                 self.inputs.put(decode(frames))
             except Exception:  # a malformed frame must not kill the engine
-                logger.exception("engine %d: dropped an undecodable message",
-                                 self.core.engine_id)
+                logger.exception("engine %d: dropped an undecodable message", self.engine_id)
 
     def _output_thread(self, ctx: zmq.Context, address: str) -> None:
         sock = ctx.socket(zmq.PUSH)
@@ -73,47 +91,110 @@ class EngineProc:
             sock.send_multipart(encode(msg), copy=False)
         sock.close()
 
+    def _emit(self, outs: EngineCoreOutputs) -> None:
+        outs.epoch = self.health.epoch
+        self.outputs.put(outs)
+
+    # ------------------------------------------------------------------------- busy loop
+
     def run_busy_loop(self) -> None:
         while self.running:
             self._drain_inputs()
-            if not self.running:
-                break
-            if self.core.has_unfinished_requests or self.core.scheduler.rejected:
-                out = self.core.step()
-                self.outputs.put(out)
+            if not self.running or not self.health.is_running:
+                continue
+            try:
+                self._step()
+            except Exception as exc:
+                self._on_fault(exc)
+
+    @property
+    def _has_work(self) -> bool:
+        return self.core.has_unfinished_requests or bool(self.core.scheduler.rejected)
 
     def _drain_inputs(self) -> None:
-        block = not (self.core.has_unfinished_requests or self.core.scheduler.rejected)
+        if not self.health.is_running or not (self._has_work or self.is_coupled):
+            timeout = 1.0  # idle: block until something arrives
+        elif self._has_work:
+            timeout = 0.0
+        else:
+            timeout = 0.002  # idle but coupled: the group steps in rounds
         while True:
             try:
-                kind, msg = self.inputs.get(block=block, timeout=1.0 if block else None)
+                kind, msg = (self.inputs.get(timeout=timeout) if timeout
+                             else self.inputs.get_nowait())
             except queue.Empty:
-                if block:
+                if timeout == 1.0 and not self.health.is_running and self.running:
+                    continue
+                if timeout == 1.0 and not self._has_work and not self.is_coupled:
                     continue
                 return
             self._handle(kind, msg)
-            block = False
+            timeout = 0.0
+            if not self.running:
+                return
+
+    def _step(self) -> None:
+        if self.injected is not None:
+            self._run_injected_fault()
+        if self.is_coupled:
+            with self.health.busy():
+                any_work = self.dp_group.any_true(self._has_work)
+            if not any_work:
+                return
+            if not self._has_work:
+                with self.health.busy():
+                    self.executor.execute_dummy()
+                self.health.num_steps += 1
+                return
+        if not self._has_work:
+            return
+        with self.health.busy():
+            out = self.core.step()
+        self.health.num_steps += 1
+        if out.outputs or self.health.num_steps % 16 == 0:
+            self._emit(out)
+
+    def _run_injected_fault(self) -> None:
+        kind, self.injected = self.injected, None
+        logger.warning("engine %d: injecting fault %r", self.engine_id, kind)
+        if kind == "hang":
+            with self.health.busy():
+                while True:  # a stuck step: only the sentinel can end it
+                    time.sleep(3600)
+        raise RuntimeError(f"injected fault in the busy loop of engine {self.engine_id}")
+
+    def _on_fault(self, exc: Exception) -> None:
+        info = f"{type(exc).__name__}: {exc}"
+        logger.error("engine %d: fault: %s\n%s", self.engine_id, info, traceback.format_exc())
+        self.health.set_faulted(info)
+        self.control.report_fault(info)
+
+    # --------------------------------------------------------------------------- messages
 
     def _handle(self, kind: MsgKind, msg: object) -> None:
         if kind == MsgKind.ADD:
             assert isinstance(msg, EngineCoreRequest)
-            self.core.add_request(msg)
+            if self.health.is_running:  # while paused, the front end keeps and resubmits it
+                self.core.add_request(msg)
         elif kind == MsgKind.ABORT:
             assert isinstance(msg, AbortRequests)
             aborted = self.core.abort_requests(msg.request_ids)
             if aborted:
-                self.outputs.put(EngineCoreOutputs(self.core.engine_id, aborted,
-                                                   self.core.scheduler.make_stats(), time.time()))
+                self._emit(EngineCoreOutputs(self.engine_id, aborted,
+                                             self.core.scheduler.make_stats(), time.time()))
         elif kind == MsgKind.UTILITY:
             assert isinstance(msg, UtilityCall)
-            self.outputs.put(EngineCoreOutputs(self.core.engine_id,
-                                               utility_result=self._utility(msg)))
+            self._emit(EngineCoreOutputs(self.engine_id, utility_result=self._utility(msg)))
+        elif kind == MsgKind.CONTROL:
+            assert isinstance(msg, ControlRequest)
+            self._control(msg)
         elif kind == MsgKind.SHUTDOWN:
             self.running = False
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
-        methods = {"reset_prefix_cache": self.core.scheduler.kv.pool.reset_prefix_cache,
-                   "num_free_blocks": lambda: self.core.scheduler.kv.num_free_blocks,
+        kv = self.core.scheduler.kv
+        methods = {"reset_prefix_cache": kv.pool.reset_prefix_cache,
+                   "num_free_blocks": lambda: kv.num_free_blocks,
                    "num_blocks": lambda: self.core.num_blocks,
                    "ping": lambda: "pong"}
         if call.method not in methods:
@@ -123,24 +204,109 @@ class EngineProc:
         except Exception as exc:
             return UtilityResult(call.call_id, failure=f"{type(exc).__name__}: {exc}")
 
+    # ----------------------------------------------------------------- control (from sentinel)
+
+    def _control(self, req: ControlRequest) -> None:
+        """Commands the control thread queued for the loop; the reply goes back through it."""
+        try:
+            if req.command == "pause":
+                self._pause()
+            elif req.command == "recover":
+                self._recover(int(req.args["epoch"]))
+            elif req.command == "inject":
+                self._inject(str(req.args["kind"]))
+            elif req.command == "shutdown":
+                self.running = False
+            else:
+                raise ValueError(f"unknown control command {req.command!r}")
+            self.control.reply(req.seq, ok=True)
+        except Exception as exc:
+            logger.exception("engine %d: %s failed", self.engine_id, req.command)
+            self.control.reply(req.seq, ok=False, error=f"{type(exc).__name__}: {exc}")
+
+    def _pause(self) -> None:
+        """Drop every request and all KV state; the front end holds the requests and resubmits
+        them after recovery. Tear down the DP groups."""
+        self.health.set_paused()
+        self.core.drop_all_requests()
+        if self.dp_group is not None:
+            self.dp_group.destroy()
+            self.dp_group = None
+        self.executor.check_workers()
+        self.executor.reset()
+
+    def _recover(self, epoch: int) -> None:
+        self.core.drop_all_requests()
+        self.executor.check_workers()
+        if self.executor.has_cross_engine_groups or self.config.parallel.tensor_parallel_size > 1:
+            self.executor.reinit_distributed(epoch)
+        self.executor.reset()
+        if self.is_coupled:
+            self.dp_group = make_dp_group(self.config, self.engine_id, epoch)
+        self.core.scheduler.step_id = 0
+        self.health.set_running(epoch)
+        logger.info("engine %d: running at epoch %d", self.engine_id, epoch)
+
+    def _inject(self, kind: str) -> None:
+        if kind == "worker_exit":
+            self.executor.inject_fault("worker_exit")
+        elif kind in ("raise", "hang"):
+            self.injected = kind
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+
     def close(self) -> None:
         self.outputs.put(None)
+
+
+class EngineGroup:
+    """The engines' CPU (gloo) group of one epoch: the MoE lockstep agreement runs on it."""
+
+    def __init__(self, config: EngineConfig, engine_id: int, epoch: int) -> None:
+        from bastion.procs.distributed import StatelessGroup
+
+        par = config.parallel
+        # NOTE: port = base + 8 + 2 * epoch; the workers' cross-engine group uses base + 7 +
+        # 2 * epoch, and the sentinels' coordinator listens on the base port itself.
+        self.group = StatelessGroup("gloo", par.data_parallel_address,
+                                    par.data_parallel_rpc_port + 8 + 2 * epoch, engine_id,
+                                    par.data_parallel_size, par.distributed_timeout_s,
+                                    name=f"engines-e{epoch}")
+
+    def any_true(self, flag: bool) -> bool:
+        """Whether any engine has unfinished work (one all-reduce)."""
+        x = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        return bool(self.group.all_reduce(x).item())
+
+    def destroy(self) -> None:
+        self.group.destroy()
+
+
+def make_dp_group(config: EngineConfig, engine_id: int, epoch: int) -> EngineGroup:
+    return EngineGroup(config, engine_id, epoch)
 
 
 def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
                ctx: zmq.Context) -> None:
     engine_id = info.rank
+    epoch = int(info.addresses.get("epoch", "0"))
     start = time.perf_counter()
     resolved = resolve_model(config.model)
     max_model_len = get_max_model_len(resolved.hf_config, config.model.max_model_len)
-    executor = MultiprocExecutor(config, info.addresses["runtime_dir"], engine_id)
+    executor = MultiprocExecutor(config, info.addresses["runtime_dir"], engine_id, epoch=epoch)
     try:
         core = EngineCore(config, executor, max_model_len, engine_id)
     except Exception as exc:
         executor.shutdown()
         handshake.send_multipart(encode(Failure("engine", engine_id, str(exc))))
         raise SystemExit(1) from exc
-    proc = EngineProc(core, ctx, info.addresses["input"], info.addresses["output"])
+    proc = EngineProc(core, executor, config, ctx, info.addresses)
+    if info.addresses.get("start_paused") == "1":
+        proc.health.set_paused()
+    else:
+        if proc.is_coupled:
+            proc.dp_group = make_dp_group(config, engine_id, epoch)
+        proc.health.set_running(epoch)
     handshake.send_multipart(encode(Ready("engine", engine_id, os.getpid(),
                                           {"num_blocks": core.num_blocks,
                                            "max_model_len": max_model_len})))

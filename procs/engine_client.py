@@ -1,7 +1,13 @@
-"""The API process's client of its engine-core processes (``EngineClient`` over ZeroMQ).
+"""The API process's client of its engines (``EngineClient`` over ZeroMQ).
 
-It starts the engines, sends ADD/ABORT to the least-loaded one, and routes OUTPUTS back to
-each request's stream through the ``OutputProcessor`` (detokenization, stop strings).
+It starts one sentinel per engine it serves (each sentinel starts its engine), sends ADD and
+ABORT to the least-loaded healthy engine, and routes OUTPUTS back to each request's stream
+through the ``OutputProcessor`` (detokenization, stop strings).
+
+Fault tolerance, front-end side: the sentinels push the group's status here. While the group
+is not healthy, new requests wait; when it is healthy again at a new epoch, every request that
+was in flight is resubmitted with the tokens it already streamed, under a fresh engine request
+id, so a stale output of the old epoch can never be mistaken for a new one.
 """
 
 from __future__ import annotations
@@ -9,21 +15,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from bastion.core.config import EngineConfig
-from bastion.core.output_processor import OutputProcessor, SeqDelta, child_id, fan_out
+from bastion.core.output_processor import OutputProcessor, SeqDelta, fan_out
 from bastion.ipc.codec import MsgKind, decode, encode, shutdown_frames
 from bastion.ipc.messages import (
     AbortRequests,
+    EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineState,
     EngineStatus,
+    FinishReason,
     HandshakeInfo,
+    PeerMessage,
     SamplingParams,
     SchedulerStats,
 )
@@ -33,14 +45,24 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class _Seq:
+    """One engine-side sequence (a choice of a client request), across epochs."""
+
+    child_id: str
+    request: EngineCoreRequest
+    stream: _Stream
+    engine_id: int = -1
+    engine_request_id: str = ""
+
+
+@dataclass
 class _Stream:
     """One client request's deltas (all ``n`` choices), fed by the output loop."""
 
     client: AsyncEngineClient
     request_id: str
     num_prompt_tokens: int
-    engine_id: int
-    child_ids: list[str]
+    seqs: list[_Seq] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_cached_tokens: int = 0
     num_open: int = 0
@@ -59,11 +81,11 @@ class _Stream:
     async def abort(self) -> None:
         if self.num_open > 0:
             self.num_open = 0
-            await self.client._abort(self)
+            self.client._abort_stream(self)
 
 
 class AsyncEngineClient:
-    """Implements ``api.engine_protocol.EngineClient``."""
+    """Implements ``api.engine_protocol.EngineClient`` and the fault-tolerance handler."""
 
     def __init__(self, config: EngineConfig, tokenizer, model_name: str, max_model_len: int,
                  eos_token_id: int | None, runtime_dir: str) -> None:
@@ -73,161 +95,292 @@ class AsyncEngineClient:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.runtime_dir = runtime_dir
-        self.num_engines = config.parallel.data_parallel_size
+        par = config.parallel
+        self.dp_size = par.data_parallel_size
+        # External load-balancer mode: this server owns one rank; internal: all of them.
+        self.engine_ids = ([par.data_parallel_rank] if par.data_parallel_rank is not None
+                           else list(range(self.dp_size)))
         self.ctx = zmq.asyncio.Context()
         self.processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}
-        self._child_to_stream: dict[str, _Stream] = {}
-        self._stats: list[SchedulerStats] = [SchedulerStats() for _ in range(self.num_engines)]
-        self._inflight = [0] * self.num_engines
-        self._statuses = [EngineStatus(i, EngineState.STARTING) for i in range(self.num_engines)]
-        self.engines: list[Child] = []
-        self._output_task: asyncio.Task | None = None
+        self._open: dict[str, _Seq] = {}  # child id -> seq
+        self._by_engine_id: dict[str, _Seq] = {}  # engine request id -> seq
+        self._held: list[_Seq] = []  # waiting for the group to be healthy
+        self._stats = {i: SchedulerStats() for i in self.engine_ids}
+        self._inflight = {i: 0 for i in self.engine_ids}
+        self._statuses = [EngineStatus(i, EngineState.STARTING) for i in range(self.dp_size)]
+        self.epoch = 0
+        self.fatal: str | None = None
         self.on_stats = None  # called with (engine_id, stats) on every report (metrics)
+        self.sentinels: dict[int, Child] = {}
+        self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------------------ start-up
 
-    def start(self, timeout_s: float = 600.0) -> dict[int, dict[str, int]]:
-        """Spawn the engines and wait until every one is READY (blocking; call before serving)."""
-        out_addr = ipc_address(self.runtime_dir, "api-output")
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Spawn the sentinels (which start the engines); block until every one is READY."""
+        rd = self.runtime_dir
         self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.bind(out_addr)
-        self.input_sockets = []
-        infos = {}
-        for engine_id in range(self.num_engines):
-            addr = ipc_address(self.runtime_dir, f"engine{engine_id}-input")
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(addr)
-            self.input_sockets.append(sock)
-            infos[engine_id] = HandshakeInfo(encode_config(self.config),
-                                             {"input": addr, "output": out_addr,
-                                              "runtime_dir": self.runtime_dir}, engine_id)
-        sync_ctx = zmq.Context.instance()
-        handshake = HandshakeServer(sync_ctx, ipc_address(self.runtime_dir, "engines-hs"))
-        self.engines = [spawn_child("engine", i, f"bastion::engine-{i}", handshake.address)
-                        for i in range(self.num_engines)]
+        self.output_socket.bind(ipc_address(rd, "api-output"))
+        self.status_socket = self.ctx.socket(zmq.PULL)
+        self.status_socket.bind(ipc_address(rd, "api-status"))
+        self.input_sockets, self.cmd_sockets, infos = {}, {}, {}
+        for i in self.engine_ids:
+            self.input_sockets[i] = self._push(ipc_address(rd, f"engine{i}-input"), bind=True)
+            cmd = ipc_address(rd, f"sentinel{i}-cmd")
+            self.cmd_sockets[i] = self._push(cmd, bind=False)
+            infos[i] = HandshakeInfo(encode_config(self.config), {
+                "input": ipc_address(rd, f"engine{i}-input"),
+                "output": ipc_address(rd, "api-output"), "status": ipc_address(rd, "api-status"),
+                "cmd": cmd, "runtime_dir": rd}, i)
+        handshake = HandshakeServer(zmq.Context.instance(), ipc_address(rd, "sentinels-hs"))
+        children = [spawn_child("sentinel", i, f"bastion::sentinel-{i}", handshake.address)
+                    for i in self.engine_ids]
+        self.sentinels = {c.rank: c for c in children}
         try:
-            ready = handshake.run(self.engines, infos, timeout_s)
+            handshake.run(children, infos, timeout_s)
         except Exception:
-            self.kill_engines()
+            self.kill_children()
             raise
         finally:
             handshake.close()
-        for i in range(self.num_engines):
-            self._statuses[i] = EngineStatus(i, EngineState.HEALTHY)
-        return {rank: r.info for rank, r in ready.items()}
+
+    def _push(self, address: str, bind: bool) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        (sock.bind if bind else sock.connect)(address)
+        return sock
 
     def start_output_loop(self) -> None:
-        self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._output_loop()),
+                       loop.create_task(self._status_loop()),
+                       loop.create_task(self._deadline_loop())]
+
+    async def wait_until_healthy(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.is_ready() and time.monotonic() < deadline and self.fatal is None:
+            await asyncio.sleep(0.05)
+        return self.is_ready()
 
     # ------------------------------------------------------------------------------ requests
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  deadline: float | None = None) -> _Stream:
-        engine_id = self._pick_engine()
-        children = fan_out(request_id, prompt_token_ids, params, self.eos_token_id, time.time(),
-                           deadline)
-        stream = _Stream(self, request_id, len(prompt_token_ids), engine_id,
-                         [c.request_id for c in children])
-        stream.num_open = len(children)
+        if self.fatal is not None:
+            raise RuntimeError(f"the engines are dead: {self.fatal}")
+        stream = _Stream(self, request_id, len(prompt_token_ids))
+        for i, req in enumerate(fan_out(request_id, prompt_token_ids, params, self.eos_token_id,
+                                        time.time(), deadline)):
+            self.processor.add(req, request_id, i)
+            seq = _Seq(req.request_id, req, stream)
+            stream.seqs.append(seq)
+            self._open[seq.child_id] = seq
+            if self.is_ready():
+                self._submit(seq, self._pick_engine())
+            else:
+                self._held.append(seq)
+        stream.num_open = len(stream.seqs)
         self._streams[request_id] = stream
-        for i, child in enumerate(children):
-            self.processor.add(child, request_id, i)
-            self._child_to_stream[child.request_id] = stream
-            self.input_sockets[engine_id].send_multipart(encode(child))
-        self._inflight[engine_id] += len(children)
         return stream
+
+    def _submit(self, seq: _Seq, engine_id: int) -> None:
+        """Send (or resend after a fault) one sequence, resuming after its streamed tokens."""
+        produced = self.processor.output_token_ids(seq.child_id)
+        seq.engine_id = engine_id
+        seq.engine_request_id = f"{seq.child_id}@{self.epoch}"
+        request = msgspec.structs.replace(seq.request, request_id=seq.engine_request_id,
+                                          resumed_output_token_ids=list(produced))
+        self._by_engine_id[seq.engine_request_id] = seq
+        self._inflight[engine_id] += 1
+        self.input_sockets[engine_id].send_multipart(encode(request))
 
     def _pick_engine(self) -> int:
         """Least loaded by the engines' last report plus what was sent since."""
-        def load(i: int) -> int:
-            return self._inflight[i] * 4 + self._stats[i].num_waiting_reqs
+        return min(self.engine_ids,
+                   key=lambda i: self._inflight[i] * 4 + self._stats[i].num_waiting_reqs)
 
-        candidates = [i for i in range(self.num_engines)
-                      if self._statuses[i].state != EngineState.DEAD] or [0]
-        return min(candidates, key=load)
-
-    async def _abort(self, stream: _Stream) -> None:
-        open_ids = [cid for cid in stream.child_ids if cid in self._child_to_stream]
-        for cid in open_ids:
-            self.processor.remove(cid)
-            self._child_to_stream.pop(cid, None)
-            self._inflight[stream.engine_id] -= 1
+    def _abort_stream(self, stream: _Stream) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for seq in stream.seqs:
+            if self._open.pop(seq.child_id, None) is None:
+                continue
+            self.processor.remove(seq.child_id)
+            if seq in self._held:
+                self._held.remove(seq)
+            if self._by_engine_id.pop(seq.engine_request_id, None) is not None:
+                self._inflight[seq.engine_id] -= 1
+                by_engine.setdefault(seq.engine_id, []).append(seq.engine_request_id)
         self._streams.pop(stream.request_id, None)
-        if open_ids:
-            await self.input_sockets[stream.engine_id].send_multipart(
-                encode(AbortRequests(open_ids)))
+        for engine_id, ids in by_engine.items():
+            self.input_sockets[engine_id].send_multipart(encode(AbortRequests(ids)))
+
+    def _finish_seq(self, seq: _Seq, reason: FinishReason, error: str) -> None:
+        """End a sequence from the front end (deadline, fatal fault, --ft-inflight abort)."""
+        out = EngineCoreOutput(seq.child_id, [], reason, error=error)
+        delta, _ = self.processor.process(out)
+        self._close(seq)
+        if delta is not None:
+            seq.stream.queue.put_nowait(delta)
+
+    def _close(self, seq: _Seq) -> None:
+        self._open.pop(seq.child_id, None)
+        if seq in self._held:
+            self._held.remove(seq)
+        if self._by_engine_id.pop(seq.engine_request_id, None) is not None:
+            self._inflight[seq.engine_id] -= 1
+
+    # ------------------------------------------------------------------------------ outputs
 
     async def _output_loop(self) -> None:
         while True:
-            frames = await self.output_socket.recv_multipart()
-            kind, msg = decode(frames)
+            kind, msg = decode(await self.output_socket.recv_multipart())
             if kind == MsgKind.OUTPUTS:
                 self._on_outputs(msg)
-            elif kind == MsgKind.STATUS:
-                self._statuses[msg.engine_id] = msg
 
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
-        if outs.stats is not None:
+        if outs.stats is not None and outs.engine_id in self._stats:
             self._stats[outs.engine_id] = outs.stats
             if self.on_stats is not None:
                 self.on_stats(outs.engine_id, outs.stats)
         to_abort: list[str] = []
         for out in outs.outputs:
-            stream = self._child_to_stream.get(out.request_id)
-            if stream is None:
-                continue
+            seq = self._by_engine_id.get(out.request_id)
+            if seq is None:
+                continue  # aborted, finished, or a stale output of an earlier epoch
+            engine_request_id = out.request_id
+            out.request_id = seq.child_id
             delta, must_abort = self.processor.process(out)
             if delta is None:
                 continue
-            stream.num_cached_tokens = max(stream.num_cached_tokens, out.num_cached_tokens)
+            seq.stream.num_cached_tokens = max(seq.stream.num_cached_tokens,
+                                               out.num_cached_tokens)
             if delta.finish_reason is not None:
-                self._child_to_stream.pop(out.request_id, None)
-                self._inflight[outs.engine_id] -= 1
+                self._close(seq)
             if must_abort:
-                to_abort.append(out.request_id)
-            stream.queue.put_nowait(delta)
+                to_abort.append(engine_request_id)
+            seq.stream.queue.put_nowait(delta)
         if to_abort:
             self.input_sockets[outs.engine_id].send_multipart(encode(AbortRequests(to_abort)))
+
+    # ------------------------------------------------------------------- fault tolerance
+
+    async def _status_loop(self) -> None:
+        while True:
+            kind, msg = decode(await self.status_socket.recv_multipart())
+            if kind != MsgKind.PEER:
+                continue
+            assert isinstance(msg, PeerMessage)
+            if msg.kind == "fatal":
+                self._on_fatal(msg.info or "recovery failed")
+            elif msg.kind == "status":
+                self._on_status(msg)
+
+    def _on_status(self, msg: PeerMessage) -> None:
+        was_ready = self.is_ready()
+        self._statuses = list(msg.statuses)
+        if was_ready and not self.is_ready():
+            logger.warning("engines unhealthy: %s",
+                           "; ".join(s.fault_info or "" for s in msg.statuses if s.fault_info))
+            if self.config.fault_tolerance.ft_inflight == "abort":
+                for seq in list(self._open.values()):
+                    self._finish_seq(seq, FinishReason.ABORT, "aborted: an engine faulted "
+                                     "(--ft-inflight abort)")
+        if self.is_ready() and (msg.epoch != self.epoch or self._held):
+            self._resume(msg.epoch)
+
+    def _resume(self, epoch: int) -> None:
+        """The group is healthy at ``epoch``: resubmit what was in flight, then what waited."""
+        resubmit = [s for s in self._open.values() if s not in self._held]
+        if epoch != self.epoch:
+            logger.warning("group healthy at epoch %d: resuming %d in-flight sequence(s)",
+                           epoch, len(resubmit))
+            self.epoch = epoch
+            for seq in resubmit:
+                if self._by_engine_id.pop(seq.engine_request_id, None) is not None:
+                    self._inflight[seq.engine_id] -= 1
+            for engine_id in self.engine_ids:
+                self._stats[engine_id] = SchedulerStats()
+        else:
+            resubmit = []
+        held, self._held = self._held, []
+        for seq in resubmit + held:
+            self._submit(seq, self._pick_engine())
+
+    def _on_fatal(self, reason: str) -> None:
+        logger.critical("the engine group is dead: %s", reason)
+        self.fatal = reason
+        for seq in list(self._open.values()):
+            self._finish_seq(seq, FinishReason.ERROR, f"the engines are dead: {reason}")
+
+    async def _deadline_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.time()
+            for seq in list(self._open.values()):
+                deadline = seq.request.deadline
+                if deadline is not None and deadline < now and not self.is_ready():
+                    self._finish_seq(seq, FinishReason.ERROR,
+                                     "the request's deadline passed while the engines were "
+                                     "recovering")
+
+    def apply(self, instruction: str, params: dict) -> str:
+        """``POST /fault_tolerance/apply``: one call recovers the whole group."""
+        request_id = f"ft-{uuid.uuid4().hex[:16]}"
+        msg = PeerMessage("apply", self.engine_ids[0], instruction=instruction,
+                          params=dict(params), request_id=request_id)
+        self.cmd_sockets[self.engine_ids[0]].send_multipart(encode(msg))
+        return request_id
+
+    def status(self) -> list[dict]:
+        return [msgspec.structs.asdict(s) | {"state": s.state.name.lower()}
+                for s in self._statuses]
+
+    def inject(self, kind: str, engine: int) -> None:
+        if engine not in self.cmd_sockets:
+            raise ValueError(f"engine {engine} is not served by this process; it serves "
+                             f"{self.engine_ids}")
+        self.cmd_sockets[engine].send_multipart(encode(PeerMessage("inject", engine, info=kind)))
 
     # ------------------------------------------------------------------------------- status
 
     def is_ready(self) -> bool:
-        return all(s.state == EngineState.HEALTHY for s in self._statuses)
+        return self.fatal is None and all(s.state == EngineState.HEALTHY for s in self._statuses)
+
+    def is_progressing(self) -> bool:
+        """Healthy, starting or recovering: anything but sitting faulted."""
+        return all(s.state in (EngineState.HEALTHY, EngineState.STARTING, EngineState.RECOVERING)
+                   for s in self._statuses)
 
     def engine_statuses(self) -> list[EngineStatus]:
         return list(self._statuses)
 
     def scheduler_stats(self) -> list[SchedulerStats]:
-        return list(self._stats)
+        return list(self._stats.values())
 
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    def children_alive(self) -> bool:
+        return all(c.is_alive() for c in self.sentinels.values())
+
     # ----------------------------------------------------------------------------- shutdown
 
-    def engines_alive(self) -> bool:
-        return all(e.is_alive() for e in self.engines)
-
-    async def shutdown(self, timeout_s: float = 10.0) -> None:
-        for sock in self.input_sockets:
+    async def shutdown(self, timeout_s: float = 15.0) -> None:
+        for sock in self.cmd_sockets.values() if hasattr(self, "cmd_sockets") else []:
             try:
                 await sock.send_multipart(shutdown_frames(), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + timeout_s
-        while any(e.is_alive() for e in self.engines) and time.monotonic() < deadline:
+        while any(c.is_alive() for c in self.sentinels.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.kill_engines()
-        if self._output_task is not None:
-            self._output_task.cancel()
+        self.kill_children()
+        for task in self._tasks:
+            task.cancel()
         self.ctx.destroy(linger=0)
 
-    def kill_engines(self) -> None:
-        for engine in self.engines:
-            engine.kill(timeout=5.0)
-
-
-__all__ = ["AsyncEngineClient", "child_id"]
+    def kill_children(self) -> None:
+        for child in self.sentinels.values():
+            child.kill(timeout=5.0)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import subprocess
 import time
 
 import zmq
-
 from bastion.core.config import EngineConfig
+from bastion.core.loader import resolve_model
 from bastion.ipc.codec import MsgKind, decode, encode, shutdown_frames
 from bastion.ipc.messages import (
     Failure,
@@ -21,6 +22,13 @@ from bastion.ipc.messages import (
     SchedulerOutput,
     WorkerCall,
     WorkerReply,
+)
+from bastion.procs.distributed import (
+    RENDEZVOUS_TIMEOUT_S,
+    check_parallel_divisibility,
+    pick_free_port,
+    spans_engines,
+    worker_group_port,
 )
 from bastion.procs.lifecycle import Child, HandshakeServer, encode_config, ipc_address, spawn_child
 
@@ -33,12 +41,15 @@ class WorkerFailure(RuntimeError):
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, runtime_dir: str, engine_id: int,
-                 startup_timeout_s: float = 300.0) -> None:
+                 startup_timeout_s: float = 300.0, epoch: int = 0) -> None:
         self.config = config
+        self.epoch = epoch
         self.engine_id = engine_id
         self.ctx = zmq.Context.instance()
         self.num_workers = config.parallel.tensor_parallel_size
         self._call_ids = itertools.count()
+        check_parallel_divisibility(resolve_model(config.model).hf_config, config.parallel)
+        dist_host, dist_port = self._group_address(epoch)
         prefix = f"engine{engine_id}"
         out_addr = ipc_address(runtime_dir, f"{prefix}-worker-out")
         self.outbox = self.ctx.socket(zmq.PULL)
@@ -53,7 +64,10 @@ class MultiprocExecutor:
             self.inboxes.append(sock)
             infos[rank] = HandshakeInfo(encode_config(config),
                                         {"execute": addr, "worker_out": out_addr,
-                                         "runtime_dir": runtime_dir}, rank)
+                                         "runtime_dir": runtime_dir, "dist_host": dist_host,
+                                         "dist_port": str(dist_port), "dp_rank": str(engine_id),
+                                         "dp_size": str(config.parallel.data_parallel_size),
+                                         "epoch": str(epoch)}, rank)
         handshake = HandshakeServer(self.ctx, ipc_address(runtime_dir, f"{prefix}-workers-hs"))
         self.workers: list[Child] = [
             spawn_child("worker", rank, f"bastion::worker-{engine_id}-{rank}", handshake.address)
@@ -80,11 +94,7 @@ class MultiprocExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerFailure(f"no answer from the workers of engine {self.engine_id} "
                                     f"within {timeout_s:.0f} s")
-        kind, msg = decode(self.outbox.recv_multipart())
-        if kind == MsgKind.FAILURE:
-            assert isinstance(msg, Failure)
-            raise WorkerFailure(f"worker {self.engine_id}-{msg.rank} failed:\n{msg.message}")
-        return kind, msg
+        return decode(self.outbox.recv_multipart())
 
     def check_workers(self) -> None:
         for worker in self.workers:
@@ -98,8 +108,12 @@ class MultiprocExecutor:
         results: dict[int, object] = {}
         while len(results) < self.num_workers:
             kind, msg = self._recv(timeout_s)
+            # NOTE: a failed step makes every rank report it, and the engine raises on the
+            # first; the others' reports (and replies to an abandoned call) are stale here.
+            # Each worker's messages arrive in order, so once every rank has answered this
+            # call nothing older is left in the queue.
             if kind != MsgKind.WORKER_REPLY or msg.call_id != call_id:
-                continue  # a stale reply from before a reset
+                continue
             assert isinstance(msg, WorkerReply)
             if msg.failure is not None:
                 raise WorkerFailure(f"worker {self.engine_id}-{msg.rank}: {method}: {msg.failure}")
@@ -123,11 +137,44 @@ class MultiprocExecutor:
         self._broadcast(encode(sched))
         while True:
             kind, msg = self._recv(timeout_s=None)
+            if kind == MsgKind.FAILURE:
+                assert isinstance(msg, Failure)
+                raise WorkerFailure(f"worker {self.engine_id}-{msg.rank} failed:\n{msg.message}")
             if kind == MsgKind.RUNNER_OUTPUT and msg.step_id == sched.step_id:
                 return msg
 
     def reset(self) -> None:
         self.call("reset", timeout_s=30.0)
+
+    @property
+    def has_cross_engine_groups(self) -> bool:
+        return spans_engines(self.config.parallel)
+
+    def _group_address(self, epoch: int) -> tuple[str, int]:
+        """Where the workers meet at ``epoch``: derived from config when the group spans
+        engines (they cannot ask each other), else a free local port."""
+        par = self.config.parallel
+        if self.has_cross_engine_groups:
+            return par.data_parallel_address, worker_group_port(par, epoch)
+        return "127.0.0.1", pick_free_port()
+
+    def reinit_distributed(self, epoch: int, host: str | None = None,
+                           port: int | None = None) -> None:
+        """Every worker destroys its groups and builds them again at ``epoch`` (weights stay).
+        With cross-engine groups every engine must call this for the same epoch."""
+        if host is None or port is None:
+            host, port = self._group_address(epoch)
+        self.call("reinit_distributed", host, port, epoch,
+                  timeout_s=self.config.parallel.distributed_timeout_s + RENDEZVOUS_TIMEOUT_S)
+        self.epoch = epoch
+
+    def destroy_distributed(self) -> None:
+        """Drop the workers' groups (e.g. while a peer engine restarts)."""
+        self.call("destroy_distributed", timeout_s=30.0)
+
+    def execute_dummy(self) -> None:
+        """A step with no requests, so the expert-parallel collectives of idle ranks match."""
+        self.execute_model(SchedulerOutput(step_id=-1, is_dummy=True))
 
     def inject_fault(self, kind: str, rank: int = 0) -> None:
         frames = encode(WorkerCall(next(self._call_ids), "inject_fault", [kind]))
@@ -142,7 +189,7 @@ class MultiprocExecutor:
         for worker in self.workers if hasattr(self, "workers") else []:
             try:
                 worker.proc.wait(3.0)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 worker.kill()
         for sock in self.inboxes:
             sock.close(linger=0)

@@ -94,9 +94,11 @@ class Server:
         self.client = client
         runner = None
         try:
-            info = await loop.run_in_executor(None, client.start, self.args.startup_timeout)
-            logger.info("engines ready in %.1f s: %s", time.perf_counter() - t0, info)
+            await loop.run_in_executor(None, client.start, self.args.startup_timeout)
             client.start_output_loop()
+            if not await client.wait_until_healthy(self.args.startup_timeout):
+                raise RuntimeError("the engine group did not become healthy")
+            logger.info("engines ready in %.1f s", time.perf_counter() - t0)
             app = self._build_app(client)
             # handler_cancellation: a client that goes away cancels its handler, which aborts
             # the request in the engine (also for non-streamed requests).
@@ -121,7 +123,11 @@ class Server:
 
     def _is_making_progress(self) -> bool:
         client = getattr(self, "client", None)
-        return client is None or client.engines_alive()
+        # A hung engine keeps its process alive, so liveness is not enough: ping while the
+        # group is healthy or a recovery is under way, not while it sits faulted.
+        if client is None:
+            return True
+        return client.children_alive() and client.fatal is None and client.is_progressing()
 
     def _build_app(self, client: AsyncEngineClient) -> web.Application:
         from bastion.api.server import ApiConfig, build_app
@@ -130,7 +136,7 @@ class Server:
                                api_key=self.args.api_key, admin_key=self.args.admin_key,
                                served_model_name=client.model_name,
                                enable_fault_injection=self.args.enable_fault_injection)
-        app = build_app(client, api_config)
+        app = build_app(client, api_config, ft_handler=client)
         from bastion.api.server import METRICS_KEY
 
         client.on_stats = app[METRICS_KEY].observe_scheduler_stats
@@ -142,8 +148,9 @@ class Server:
                 await asyncio.wait_for(self.stop_event.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
-            if not client.engines_alive():
-                logger.error("an engine process died and cannot be recovered; exiting")
+            if client.fatal is not None or not client.children_alive():
+                logger.error("the engine group cannot be recovered (%s); exiting",
+                             client.fatal or "a sentinel process died")
                 self.exit_code = 1
                 return
         from bastion.api.server import STATE_KEY

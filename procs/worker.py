@@ -1,8 +1,12 @@
 """Worker process (``bastion::worker-E-R``): one per device; runs the model runner.
 
-It receives every EXECUTE and WORKER_CALL on its own PULL socket; rank 0 answers EXECUTE with
-the sampled tokens, every rank answers WORKER_CALLs. A failure is reported, not fatal: the
-worker waits to be reset (fault recovery) or shut down.
+It receives every EXECUTE and WORKER_CALL on its own PULL socket; TP rank 0 answers EXECUTE
+with the sampled tokens (every rank runs the same step), every rank answers WORKER_CALLs. A
+failure is reported, not fatal: the worker waits to be reset (fault recovery) or shut down.
+
+Before loading its shard the worker joins its process groups (``procs.distributed``): the TP
+group of its engine and, with expert parallelism, the EP group over every engine's workers.
+``reinit_distributed`` re-creates them at a new epoch while the weights stay loaded.
 """
 
 from __future__ import annotations
@@ -12,20 +16,90 @@ import os
 import time
 import traceback
 
+import torch
 import zmq
-
 from bastion.core.config import EngineConfig
 from bastion.core.model_runner import ModelRunner
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.messages import Failure, HandshakeInfo, Ready, WorkerCall, WorkerReply
+from bastion.ops.communicator import (
+    GroupCoordinator,
+    detach_model_parallel,
+    init_model_parallel,
+)
+from bastion.procs.distributed import WorkerGroups, build_worker_groups
 
 logger = logging.getLogger(__name__)
 
+_CALLS = ("kv_info", "init_kv", "reset", "inject_fault", "reinit_distributed",
+          "destroy_distributed", "distributed_info")
+
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int) -> None:
-        self.rank = rank
-        self.runner = ModelRunner(config)
+    """One TP rank of one engine (DP rank ``dp_rank``)."""
+
+    def __init__(self, config: EngineConfig, rank: int, dp_rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank  # TP rank inside the engine
+        self.dp_rank = dp_rank
+        parallel = config.parallel
+        self.is_distributed = parallel.tensor_parallel_size > 1 or (
+            parallel.enable_expert_parallel and parallel.data_parallel_size > 1)
+        self.backend = "nccl" if config.model.device == "cuda" else "gloo"
+        self.device = self._select_device()
+        self.groups: WorkerGroups | None = None
+        self.epoch = 0
+        self.runner = ModelRunner(config, self.device)
+
+    def _select_device(self) -> torch.device:
+        if self.config.model.device != "cuda":
+            # Workers of one host share its cores; oversubscribed threads slow every rank.
+            num_workers = self.config.parallel.world_size
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
+            return torch.device("cpu")
+        tp_size = self.config.parallel.tensor_parallel_size
+        index = (self.dp_rank * tp_size + self.rank) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+
+    # ------------------------------------------------------------------ process groups
+
+    def init_distributed(self, host: str, port: int, epoch: int) -> None:
+        """Join this epoch's groups and hand them to the model's layers."""
+        if not self.is_distributed:
+            return
+        self.groups = build_worker_groups(self.config.parallel, self.backend, host, port,
+                                          self.dp_rank, self.rank)
+        self.epoch = epoch
+        ep = self.groups.ep
+        init_model_parallel(GroupCoordinator.from_process_group(self.groups.tp.pg),
+                            None if ep is None else GroupCoordinator.from_process_group(ep.pg))
+
+    def destroy_distributed(self) -> None:
+        """Drop the groups (safe when a peer died); the model waits for ``reinit``."""
+        detach_model_parallel()
+        groups, self.groups = self.groups, None
+        if groups is not None:
+            groups.destroy()
+
+    def reinit_distributed(self, host: str, port: int, epoch: int) -> int:
+        """Destroy the old groups and join new ones at ``host:port`` for ``epoch``; the weights
+        stay loaded (ranks do not change). Every worker of the group must call it."""
+        start = time.perf_counter()
+        self.destroy_distributed()
+        self.init_distributed(host, int(port), int(epoch))
+        logger.info("worker %d-%d: groups re-created at epoch %d in %.2f s", self.dp_rank,
+                    self.rank, epoch, time.perf_counter() - start)
+        return self.epoch
+
+    def distributed_info(self) -> dict[str, object]:
+        groups = self.groups
+        return {"epoch": self.epoch, "dp_rank": self.dp_rank, "tp_rank": self.rank,
+                "tp_size": groups.tp.world_size if groups else 1,
+                "ep_size": groups.ep.world_size if groups and groups.ep else 1,
+                "port": groups.root.port if groups else 0}
+
+    # ------------------------------------------------------------------ worker calls
 
     def kv_info(self) -> dict[str, int]:
         return {"bytes_per_block": self.runner.kv_cache_bytes_per_block(),
@@ -47,7 +121,7 @@ class Worker:
         raise RuntimeError(f"injected fault in worker {self.rank}")
 
     def handle_call(self, call: WorkerCall) -> WorkerReply:
-        if call.method not in ("kv_info", "init_kv", "reset", "inject_fault"):
+        if call.method not in _CALLS:
             return WorkerReply(call.call_id, self.rank, failure=f"unknown method {call.method}")
         try:
             result = getattr(self, call.method)(*call.args)
@@ -59,14 +133,25 @@ class Worker:
 
 def run_worker(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
                ctx: zmq.Context) -> None:
-    worker = Worker(config, info.rank)
+    addresses = info.addresses
+    worker = Worker(config, info.rank, int(addresses.get("dp_rank", "0")))
+    if worker.is_distributed:
+        worker.init_distributed(addresses["dist_host"], int(addresses["dist_port"]),
+                                int(addresses.get("epoch", "0")))
     worker.runner.load_model()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(info.addresses["execute"])
+    inbox.connect(addresses["execute"])
     outbox = ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 1000)
-    outbox.connect(info.addresses["worker_out"])
+    outbox.connect(addresses["worker_out"])
     handshake.send_multipart(encode(Ready("worker", info.rank, os.getpid())))
+    try:
+        _serve(worker, inbox, outbox)
+    finally:
+        worker.destroy_distributed()
+
+
+def _serve(worker: Worker, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
     while True:
         kind, msg = decode(inbox.recv_multipart())
         if kind == MsgKind.SHUTDOWN:
@@ -77,8 +162,8 @@ def run_worker(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
         try:
             result = worker.runner.execute_model(msg)
         except Exception:
-            logger.exception("worker %d: step failed", info.rank)
-            outbox.send_multipart(encode(Failure("worker", info.rank, traceback.format_exc())))
+            logger.exception("worker %d: step failed", worker.rank)
+            outbox.send_multipart(encode(Failure("worker", worker.rank, traceback.format_exc())))
             continue
-        if info.rank == 0:
+        if worker.rank == 0:
             outbox.send_multipart(encode(result))

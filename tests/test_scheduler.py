@@ -137,13 +137,14 @@ def test_priority_policy_admits_lowest_value_first():
     assert list(out.num_scheduled_tokens) == ["urgent"]
 
 
-def test_requeue_all_keeps_requests_and_drops_kv_state():
+def test_drop_all_forgets_requests_and_kv_state():
     s = make_scheduler()
     s.add_request(req("a", 5, max_tokens=8))
     run_step(s)
-    run_step(s)
-    s.requeue_all()
+    s.drop_all()
+    assert not s.has_unfinished_requests and s.requests == {}
     assert s.kv.num_free_blocks == 16 and s.kv.pool.cached == {}
+    # The same id can be added again (a resubmission after recovery).
+    s.add_request(req("a", 5, max_tokens=8))
     out, _ = run_step(s)
-    assert out.new_requests[0].output_token_ids == [1, 1]
-    assert out.num_scheduled_tokens == {"a": 7}
+    assert out.new_requests[0].request_id == "a" and out.num_scheduled_tokens == {"a": 5}

@@ -1,0 +1,194 @@
+"""Decode under CUDA graphs: one graph per batch-size bucket over persistent static buffers.
+
+A decode step launches a few hundred small kernels (28 layers x ~12 ops for Qwen3-0.6B); on a
+GPU their launch cost exceeds their run time. Replaying a graph captured once per bucket turns
+them into one launch. A graph bakes in every pointer it touches, so its inputs live in static
+device buffers that each step refills in place: the step's values are written into pinned host
+staging buffers and copied over with non-blocking transfers, then the bucket's graph is replayed.
+
+Padding a batch of ``b`` sequences up to its bucket ``B``: rows ``b..B-1`` become zero-length
+sequences (``query_start_loc`` stays at ``b``, ``seq_lens`` 0) whose one token has slot -1, so the
+KV store skips it and the attention kernel's spare programs exit. Their hidden rows are junk
+that no later op mixes into real rows (every op after attention is row-wise); callers read only
+the first ``b`` rows.
+
+Without capture (the CPU, or ``capture()`` not called) ``run`` executes the same padded batch
+eagerly, which lets the staging and padding logic be tested anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from bastion.core.forward_context import AttentionMetadata, set_forward_context
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to ``max_num_seqs`` (which is always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeInputs(NamedTuple):
+    """One decode step on the host: one new token per sequence, in batch order."""
+
+    input_ids: np.ndarray  # int64 [b]
+    positions: np.ndarray  # int64 [b]: position of the new token (= tokens already cached)
+    slot_mapping: np.ndarray  # int64 [b]
+    block_tables: np.ndarray  # int32 [b, w], w <= max_blocks_per_seq
+
+
+class CUDAGraphRunner:
+    """Runs decode batches of up to ``max(capture_sizes)`` sequences through ``model``.
+
+    ``model(input_ids, positions)`` must read attention metadata from the forward context and
+    return hidden states [T, H]. The KV caches must be allocated before ``capture()`` (the graphs
+    hold their addresses) and must not be reallocated afterwards.
+    """
+
+    def __init__(self, model: nn.Module, capture_sizes: list[int], max_blocks_per_seq: int,
+                 block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.capture_sizes = sorted(capture_sizes)
+        self.max_num_seqs = self.capture_sizes[-1]
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = device
+        n = self.max_num_seqs
+        pin = device.type == "cuda"
+        # Packed so that one step needs three host-to-device copies: int64 rows (ids, positions,
+        # slots), int32 (seq_lens then query_start_loc) and the block table.
+        self._host_i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)
+        self._host_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin)
+        self._host_bt = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._dev_i64 = torch.zeros((3, n), dtype=torch.int64, device=device)
+        self._dev_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
+        self._dev_bt = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool: object | None = None
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest capture size that holds ``num_seqs``; None when none does."""
+        for size in self.capture_sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def can_run(self, num_seqs: int, num_block_columns: int) -> bool:
+        return self.bucket(num_seqs) is not None and num_block_columns <= self.max_blocks_per_seq
+
+    @property
+    def is_captured(self) -> bool:
+        return bool(self.graphs)
+
+    # ------------------------------------------------------------------------- buffers
+
+    def _metadata(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
+        """Metadata over the first ``size`` rows of the static buffers.
+
+        The CPU lists matter only to the torch reference kernels (eager runs); the Triton path
+        reads the device tensors, so a graph captured with placeholder lists stays valid.
+        """
+        n = self.max_num_seqs
+        if seq_lens_cpu is None:
+            qsl_cpu, lens_cpu = list(range(size + 1)), [1] * size
+        else:
+            b = sum(1 for s in seq_lens_cpu if s > 0)
+            qsl_cpu = list(range(b + 1)) + [b] * (size - b)
+            lens_cpu = seq_lens_cpu
+        return AttentionMetadata(
+            slot_mapping=self._dev_i64[2, :size],
+            query_start_loc=self._dev_i32[n:n + size + 1],
+            seq_lens=self._dev_i32[:size],
+            block_tables=self._dev_bt[:size],
+            max_query_len=1,
+            max_seq_len=self.max_blocks_per_seq * self.block_size,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=lens_cpu,
+        )
+
+    def _stage(self, inputs: DecodeInputs, size: int) -> None:
+        """Write one step (padded to ``size``) into pinned memory, then copy it over.
+
+        NOTE: the staging buffers are reused every step. That is safe because the caller waits
+        for the step's sampled tokens (a sync that follows these copies on the stream) before
+        it stages the next step.
+        """
+        b = len(inputs.input_ids)
+        n = self.max_num_seqs
+        i64 = self._host_i64.numpy()
+        i64[0, :b], i64[1, :b], i64[2, :b] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        i64[0:2, b:size] = 0
+        i64[2, b:size] = -1
+        i32 = self._host_i32.numpy()
+        i32[:b] = inputs.positions + 1
+        i32[b:size] = 0
+        i32[n:n + b + 1] = np.arange(b + 1, dtype=np.int32)
+        i32[n + b + 1:n + size + 1] = b
+        width = inputs.block_tables.shape[1]
+        bt = self._host_bt[:b * width].view(b, width)
+        bt.numpy()[:] = inputs.block_tables
+        self._dev_i64[:, :size].copy_(self._host_i64[:, :size], non_blocking=True)
+        self._dev_i32.copy_(self._host_i32, non_blocking=True)
+        # Rows past ``b`` keep stale ids: their sequences are empty, so nothing reads them.
+        staged = bt.to(self.device, non_blocking=True)
+        self._dev_bt[:b, :width].copy_(staged, non_blocking=True)
+
+    # ------------------------------------------------------------------------- run
+
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        with set_forward_context(meta):
+            return self.model(self._dev_i64[0, :size], self._dev_i64[1, :size])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per capture size, largest first so smaller ones reuse its pool."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        start = time.perf_counter()
+        # Valid do-nothing inputs: every row is padding (no sequence, slot -1).
+        n = self.max_num_seqs
+        self._dev_i64.zero_()
+        self._dev_i64[2].fill_(-1)
+        self._dev_i32.zero_()
+        torch.cuda.synchronize(self.device)
+        for size in reversed(self.capture_sizes):
+            meta = self._metadata(size)
+            self._forward(size, meta)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(size, meta)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self.graphs[size] = graph
+            self._outputs[size] = out
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.2f s",
+                    len(self.graphs), self.capture_sizes[0], n, time.perf_counter() - start)
+
+    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Hidden states [b, H] of one decode step (graph replay when captured)."""
+        b = len(inputs.input_ids)
+        size = self.bucket(b)
+        if size is None or inputs.block_tables.shape[1] > self.max_blocks_per_seq:
+            raise ValueError(f"decode batch of {b} sequences x {inputs.block_tables.shape[1]} "
+                             f"blocks exceeds the captured {self.max_num_seqs} x "
+                             f"{self.max_blocks_per_seq}")
+        self._stage(inputs, size)
+        graph = self.graphs.get(size)
+        if graph is not None:
+            graph.replay()
+            return self._outputs[size][:b]
+        seq_lens = [int(p) + 1 for p in inputs.positions] + [0] * (size - b)
+        return self._forward(size, self._metadata(size, seq_lens))[:b]

@@ -1,0 +1,259 @@
+"""Offline throughput: bastion's ``LLM`` against Hugging Face transformers on one workload.
+
+The workload is nano-vllm's ``bench.py``: ``random.seed(seed)``, then for every sequence a prompt
+of ``randint(min_input, max_input)`` random token ids in [0, 10000], then one
+``max_tokens = randint(min_output, max_output)`` per sequence, EOS ignored. nano-vllm's exact
+run (256 sequences, lengths in [100, 1024], seed 0) has 142,827 prompt and 133,966 output tokens.
+
+CPU (default, scaled for a small machine):
+
+    .venv/bin/python scripts/bench_offline.py
+
+GPU (nano-vllm's workload):
+
+    python scripts/bench_offline.py --model /path/to/Qwen3-0.6B --dtype bfloat16 \\
+        --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024
+
+Hugging Face runs ``generate`` on the same prompts, batched with left padding and
+``max_new_tokens = min_new_tokens =`` the longest requested output (so it does at least as much
+work); only the requested tokens of each sequence are counted for both engines.
+``--hf-continuous-batching`` uses transformers' ``init_continuous_batching`` manager instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+from typing import NamedTuple
+
+import torch
+
+NANO_VLLM_TOTALS = (142_827, 133_966)  # prompt, output tokens of nano-vllm's seed-0 workload
+
+
+class Workload(NamedTuple):
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+class Result(NamedTuple):
+    engine: str
+    num_seqs: int
+    num_output_tokens: int
+    seconds: float
+
+    @property
+    def throughput(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+
+def make_workload(num_seqs: int, min_input: int, max_input: int, min_output: int,
+                  max_output: int, seed: int) -> Workload:
+    """nano-vllm's generator, draw for draw: all prompts first, then all output lengths."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(min_input, max_input))]
+               for _ in range(num_seqs)]
+    max_tokens = [rng.randint(min_output, max_output) for _ in range(num_seqs)]
+    return Workload(prompts, max_tokens)
+
+
+def check_nano_vllm_totals() -> None:
+    """Our generator must reproduce nano-vllm's token totals exactly."""
+    w = make_workload(256, 100, 1024, 100, 1024, 0)
+    got = (w.num_prompt_tokens, w.num_output_tokens)
+    assert got == NANO_VLLM_TOTALS, f"workload generator drifted: {got} != {NANO_VLLM_TOTALS}"
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
+    from bastion import LLM, SamplingParams
+
+    max_len = max(len(p) for p in work.prompts) + max(work.max_tokens)
+    kwargs = dict(model=args.model, load_format=args.load_format, dtype=args.dtype,
+                  max_model_len=max(args.max_model_len or 0, max_len),
+                  max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.device:
+        kwargs["device"] = args.device
+    if args.kv_cache_memory_bytes:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if args.load_format == "dummy":
+        kwargs["skip_tokenizer_init"] = True
+    llm = LLM(**kwargs)
+    device = llm.config.model.device
+    llm.generate([list(range(1, 33))], SamplingParams(max_tokens=4))  # warm-up
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+              for n in work.max_tokens]
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_tokens == work.num_output_tokens, (num_tokens, work.num_output_tokens)
+    del llm
+    gc.collect()
+    return Result("bastion LLM", len(work.prompts), num_tokens, seconds)
+
+
+def load_hf_model(args: argparse.Namespace, device: str, attn: str | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bastion.core.config import parse_dtype
+    from bastion.core.loader.embedded import embedded_gguf_path
+
+    dtype = parse_dtype(args.dtype, device)
+    extra = {"attn_implementation": attn} if attn else {}
+    path = args.model or embedded_gguf_path()
+    if args.load_format == "dummy":
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
+                                                 **extra)
+    elif path.endswith(".gguf"):
+        folder, name = os.path.split(path)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, **extra)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+    return model.to(device).eval()
+
+
+def run_hf_generate(args: argparse.Namespace, work: Workload, device: str) -> Result:
+    """Static batches, left-padded; every sequence generates the longest requested length."""
+    model = load_hf_model(args, device)
+    pad_id = 0
+    max_new = max(work.max_tokens)
+    batch_size = args.hf_batch_size or len(work.prompts)
+    sample = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 \
+        else dict(do_sample=False)
+
+    def generate(prompts: list[list[int]], num_new: int) -> torch.Tensor:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=device)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=num_new,
+                              min_new_tokens=num_new, pad_token_id=pad_id, eos_token_id=None,
+                              **sample)
+
+    with torch.inference_mode():
+        generate([list(range(1, 33))], 4)  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        for i in range(0, len(work.prompts), batch_size):
+            out = generate(work.prompts[i:i + batch_size], max_new)
+            assert out.shape[1] - max(len(p) for p in work.prompts[i:i + batch_size]) == max_new
+        synchronize(device)
+        seconds = time.perf_counter() - start
+    del model
+    gc.collect()
+    return Result("HF generate", len(work.prompts), work.num_output_tokens, seconds)
+
+
+def run_hf_continuous(args: argparse.Namespace, work: Workload, device: str) -> Result:
+    """transformers' own continuous batching (``init_continuous_batching``), EOS ignored."""
+    from transformers import GenerationConfig
+
+    model = load_hf_model(args, device, attn="sdpa_paged")
+    if not hasattr(model, "continuous_batching_context_manager"):
+        raise SystemExit("this transformers has no continuous batching API")
+    config = GenerationConfig(max_new_tokens=max(work.max_tokens), do_sample=args.temperature > 0,
+                              temperature=args.temperature or None, eos_token_id=-1,
+                              pad_token_id=0)
+    with torch.inference_mode(), model.continuous_batching_context_manager(
+            generation_config=config, block=True, timeout=30) as manager:
+        synchronize(device)
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+               for p, n in zip(work.prompts, work.max_tokens)]
+        num_tokens, pending = 0, set(ids)
+        while pending:
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped")
+                continue
+            if result.is_finished() and result.request_id in pending:
+                if result.error:
+                    raise RuntimeError(f"HF request failed: {result.error}")
+                pending.discard(result.request_id)
+                num_tokens += len(result.generated_tokens)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+    assert num_tokens == work.num_output_tokens, (num_tokens, work.num_output_tokens)
+    return Result("HF continuous batching", len(work.prompts), num_tokens, seconds)
+
+
+def print_table(results: list[Result], work: Workload) -> None:
+    print(f"\nworkload: {len(work.prompts)} seqs, {work.num_prompt_tokens} prompt tokens, "
+          f"{work.num_output_tokens} output tokens")
+    header = f"{'engine':<24}{'seqs':>6}{'output tok':>12}{'seconds':>10}{'output tok/s':>14}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r.engine:<24}{r.num_seqs:>6}{r.num_output_tokens:>12}{r.seconds:>10.2f}"
+              f"{r.throughput:>14.1f}")
+    base = results[0]
+    for r in results[1:]:
+        print(f"ratio {base.engine} / {r.engine}: {base.throughput / r.throughput:.2f}x")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "gguf", "hf", "dummy"))
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--num-seqs", type=int, default=16)
+    p.add_argument("--min-input", type=int, default=100)
+    p.add_argument("--max-input", type=int, default=256)
+    p.add_argument("--min-output", type=int, default=32)
+    p.add_argument("--max-output", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm samples at 0.6")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--skip-hf", action="store_true", help="bastion only")
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="HF generate batch size (default: all sequences in one batch)")
+    p.add_argument("--hf-continuous-batching", action="store_true",
+                   help="compare with transformers' continuous batching instead of generate")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_nano_vllm_totals()
+    work = make_workload(args.num_seqs, args.min_input, args.max_input, args.min_output,
+                         args.max_output, args.seed)
+    from bastion.core.config import default_device
+
+    device = args.device or default_device()
+    torch.manual_seed(args.seed)
+    results = [run_bastion(args, work)]
+    if not args.skip_hf:
+        run_hf = run_hf_continuous if args.hf_continuous_batching else run_hf_generate
+        results.append(run_hf(args, work, device))
+    print_table(results, work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Everything bastion measures on one GPU, in one call, each stage under its own time limit so a
+# failing stage cannot eat the call:
+#
+#   bash scripts/gpu_run.sh                 # all stages
+#   bash scripts/gpu_run.sh tests offline   # only these, in this order
+#
+# Stages: kernels (Triton kernels vs torch references, timed), tests (GPU parity under CUDA
+# graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights), floor (that
+# workload's bandwidth floor, measured in the same run), hf (a slice of the workload through
+# bastion and transformers' continuous batching, with the ratio), latency (Llama-3.1-8B
+# architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite
+# rates, 1000 prompts of 1024 in / 128 out, against the embedded model).
+#
+# Run from the repository root. Wheels for packages the machine lacks (msgspec, pyzmq, gguf,
+# setproctitle) are installed from .whl/ when present; the repository root is made importable
+# as the package `bastion`. Logs go to $OUT/gpu_run.log (or /tmp), a short table comes last.
+set -u
+OUT=${OUT:-/tmp/bastion-gpu-run}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_run.log"
+SUMMARY="$OUT/summary.txt"
+# Per-stage logs stay off $OUT: only a few files come back from the device.
+STAGE_LOGS=/tmp/bastion-gpu-stages
+mkdir -p "$STAGE_LOGS"
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+PY=${PYTHON:-python3}
+ROOT=$PWD
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl 2>&1 | tail -3
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+mkdir -p /tmp/pkg
+[ -e /tmp/pkg/bastion ] || ln -s "$ROOT" /tmp/pkg/bastion
+export PYTHONPATH=/tmp/pkg:$ROOT:${PYTHONPATH:-}
+
+QWEN=configs/qwen3-0.6b
+LLAMA=configs/llama-3.1-8b
+NANO="--num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024"
+
+# stage NAME LIMIT_S GREP_PATTERN -- command...: run, log, and keep the lines worth a summary.
+stage() {
+  local name=$1 limit=$2 pattern=$3
+  shift 4
+  echo "===== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$STAGE_LOGS/$name.log" >>"$LOG"
+  local rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - start))
+  tail -n 25 "$STAGE_LOGS/$name.log"
+  {
+    printf '%-9s rc=%-4s %4ss\n' "$name" "$rc" "$took"
+    grep -E "$pattern" "$STAGE_LOGS/$name.log" | tail -n 14 | sed 's/^/    /'
+  } >>"$SUMMARY"
+}
+
+run_serve() {
+  local port=8011 slog=$STAGE_LOGS/server.log
+  $PY -m bastion.procs.cli serve --port $port --max-model-len 2048 \
+    --max-num-batched-tokens 16384 >"$slog" 2>&1 &
+  local pid=$!
+  for _ in $(seq 240); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.5
+  done
+  local rc=0
+  for rate in inf 50 100; do
+    $PY scripts/bench_serve.py --base-url "http://127.0.0.1:$port" --num-prompts 1000 \
+      --random-input-len 1024 --random-output-len 128 --request-rate $rate || rc=$?
+  done
+  kill -TERM $pid 2>/dev/null
+  wait $pid
+  tail -n 5 "$slog"
+  return $rc
+}
+export -f run_serve
+export PY OUT STAGE_LOGS
+
+STAGES=${*:-tests offline floor latency kernels hf serve}
+nvidia-smi -L 2>&1 | tee -a "$LOG"
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
+for s in $STAGES; do
+  case $s in
+    kernels) stage kernels 60 'FAIL|ERR|copy|GB/s|attention' -- \
+      $PY scripts/gpu_kernel_check.py --quick --iters 30 ;;
+    tests) stage tests 150 'passed|failed|error|bf16:' -- \
+      $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu -m gpu ;;
+    offline) stage offline 150 'workload|bastion|Error|error' -- \
+      $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
+      --temperature 0 --max-num-batched-tokens 16384 --skip-hf ;;
+    floor) stage floor 40 'floor|Error' -- \
+      $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
+    hf) stage hf 180 'workload|bastion|HF|ratio|Error' -- \
+      $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 \
+      --num-seqs 32 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
+      --temperature 0 --max-num-batched-tokens 16384 --hf-continuous-batching ;;
+    latency) stage latency 150 'latency|avg|floor|Error' -- \
+      $PY scripts/bench_latency.py --model $LLAMA ;;
+    serve) stage serve 300 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+echo "===== summary" | tee -a "$LOG"
+cat "$SUMMARY" | tee -a "$LOG"

@@ -1,0 +1,183 @@
+"""A real ``bastion serve`` in a subprocess, for end-to-end tests and the serving benchmark.
+
+``ServerProcess`` launches ``python -m bastion.procs.cli serve`` with the venv's Python, waits
+for ``/health``, finds the server's process tree through ``/proc`` and stops it. Each server gets
+its own ``XDG_RUNTIME_DIR`` so a test can check that the runtime (ipc socket) dir is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+# Small enough to start fast on a 2-core CPU; the KV budget is 256 MiB (364 blocks of 16).
+SMALL_SERVER_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
+                     "--kv-cache-memory-bytes", "268435456")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # NOTE: the command name (field 2) may hold spaces and parentheses; fields after the last
+    # ')' are fixed: state, ppid, ...
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def process_title(pid: int) -> str | None:
+    """What ``ps`` shows (setproctitle rewrites the cmdline); None when the pid is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def is_live(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def descendants(root_pid: int) -> list[int]:
+    """Every live process whose parent chain leads to ``root_pid`` (not ``root_pid`` itself)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            ppid = _ppid(int(entry))
+            if ppid is not None:
+                parents[int(entry)] = ppid
+    found = []
+    for pid in parents:
+        cur = parents.get(pid)
+        while cur is not None and cur > 1:
+            if cur == root_pid:
+                found.append(pid)
+                break
+            cur = parents.get(cur)
+    return sorted(pid for pid in found if is_live(pid))
+
+
+def bastion_titles(pids: list[int]) -> dict[int, str]:
+    """The pids among ``pids`` that are live ``bastion::`` processes, with their titles."""
+    titles = {pid: process_title(pid) for pid in pids if is_live(pid)}
+    return {pid: t for pid, t in titles.items() if t and t.startswith("bastion::")}
+
+
+class ServerProcess:
+    """One ``bastion serve`` subprocess on a free port, logging to a file."""
+
+    def __init__(self, extra_args: tuple[str, ...] = SMALL_SERVER_ARGS,
+                 api_key: str | None = None, workdir: str | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="bastion-e2e-"))
+        self.runtime_base = self.workdir / "run"
+        self.runtime_base.mkdir(mode=0o700, exist_ok=True)
+        self.log_path = self.workdir / "server.log"
+        cmd = [sys.executable, "-m", "bastion.procs.cli", "serve", "--port", str(self.port),
+               *extra_args]
+        if api_key is not None:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_base)}
+        env.pop("NOTIFY_SOCKET", None)
+        env.pop("BASTION_API_KEY", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def runtime_dirs(self) -> list[str]:
+        return sorted(p.name for p in self.runtime_base.glob("bastion-*"))
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        req = urllib.request.Request(self.base_url + path, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Poll ``/health`` until 200; raise with the log tail if the server dies or hangs."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bastion serve exited with {self.proc.returncode} during "
+                                   f"start-up:\n{self.log_tail()}")
+            try:
+                status, _ = self.get("/health", timeout=2.0)
+                if status == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"/health not 200 within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {series name with labels stripped: value}, for unlabelled-enough
+        series (the single-model gauges and counters)."""
+        status, body = self.get("/metrics")
+        assert status == 200, body
+        values: dict[str, float] = {}
+        for line in body.decode().splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, value = line.rsplit(" ", 1)
+            values[name_labels.split("{", 1)[0]] = float(value)
+        return values
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        """Send ``sig`` and wait for the exit code (SIGKILL after ``timeout_s``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill_tree(self) -> None:
+        """Last-resort cleanup: SIGKILL the server and anything left of its tree."""
+        for pid in [*descendants(self.pid), self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+
+
+def parse_json(body: bytes) -> dict:
+    return json.loads(body.decode())

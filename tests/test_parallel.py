@@ -1,0 +1,239 @@
+"""Tensor and expert parallelism in real worker processes (gloo on the CPU).
+
+Every test compares exact greedy tokens of the parallel run with a single-process run of the
+same weights: TP over the embedded SmolLM2 (9 query / 3 KV heads, so TP=3) and a tiny Qwen3,
+EP inside one engine (TP=2 + enable_expert_parallel) and EP across two engines (DP=2) where one
+engine idles on dummy steps. Process groups are stateless: re-created at a new epoch in the
+same processes, and a collective with a dead or hung peer raises within its timeout.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from bastion import LLM, SamplingParams
+from bastion.core.config import ConfigError, build_engine_config
+from bastion.core.engine_core import EngineCore
+from bastion.ipc.messages import EngineCoreRequest
+from bastion.procs.distributed import DistributedTimeout, StatelessGroup, pick_free_port
+from bastion.procs.executor import MultiprocExecutor, WorkerFailure
+from bastion.procs.lifecycle import make_runtime_dir, remove_runtime_dir
+
+from tests.conftest import build_tiny_hf_model
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
+TINY_PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11], [1, 2, 3], [300, 200, 100, 50, 25, 12],
+                [77] * 19]
+SMALL_KV = {"dtype": "float32", "kv_cache_memory_bytes": 16 << 20}
+
+
+def greedy_tokens(llm: LLM, prompts: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def as_id_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def embedded_reference() -> list[list[int]]:
+    with LLM(max_model_len=256, **SMALL_KV) as llm:
+        return greedy_tokens(llm, TEXT_PROMPTS)
+
+
+def save_tiny(kind: str, path) -> str:
+    build_tiny_hf_model(kind).save_pretrained(path)
+    return str(path)
+
+
+# --------------------------------------------------------------------- tensor parallel
+
+
+def test_embedded_tp3_matches_single_process_and_survives_reinit(embedded_reference) -> None:
+    """TP=3 through MultiprocExecutor gives TP=1's greedy tokens; after the groups are
+    destroyed (a step then fails) and re-created at epoch 1 in the same processes, the tokens
+    are unchanged."""
+    assert len({tuple(t) for t in embedded_reference}) == len(TEXT_PROMPTS)
+    with LLM(max_model_len=256, tensor_parallel_size=3, **SMALL_KV) as llm:
+        executor = llm.engine.executor
+        assert isinstance(executor, MultiprocExecutor)
+        pids = [w.proc.pid for w in executor.workers]
+        assert greedy_tokens(llm, TEXT_PROMPTS) == embedded_reference
+        before = executor.call("distributed_info")
+        assert [i["tp_rank"] for i in before] == [0, 1, 2]
+        assert {(i["tp_size"], i["epoch"]) for i in before} == {(3, 0)}
+
+        executor.destroy_distributed()  # without groups a step fails loudly, never silently
+        with pytest.raises(WorkerFailure, match="process group was destroyed"):
+            greedy_tokens(llm, TEXT_PROMPTS[:1])
+        llm.engine.drop_all_requests()
+        executor.reset()
+
+        executor.reinit_distributed(1)
+        after = executor.call("distributed_info")
+        assert {(i["tp_size"], i["epoch"]) for i in after} == {(3, 1)}
+        assert after[0]["port"] != before[0]["port"]
+        assert [w.proc.pid for w in executor.workers] == pids  # same processes, weights kept
+        assert greedy_tokens(llm, TEXT_PROMPTS) == embedded_reference
+    assert all(w.proc.poll() is not None for w in executor.workers)  # workers exited
+
+
+def test_head_count_that_does_not_divide_fails_at_startup() -> None:
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(9\) is not divisible by "
+                                          r"tensor_parallel_size \(2\)"):
+        LLM(max_model_len=256, tensor_parallel_size=2, **SMALL_KV)
+    assert time.monotonic() - start < 30  # before any worker loads a model
+
+
+def test_tiny_qwen3_tp2_matches_single_process(tmp_path) -> None:
+    path = save_tiny("qwen3", tmp_path)
+    with LLM(path, skip_tokenizer_init=True, **SMALL_KV) as llm:
+        expected = greedy_tokens(llm, as_id_prompts(TINY_PROMPTS))
+    assert len({tuple(t) for t in expected}) > 1
+    with LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, **SMALL_KV) as llm:
+        assert greedy_tokens(llm, as_id_prompts(TINY_PROMPTS)) == expected
+
+
+# --------------------------------------------------------------------- expert parallel
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> tuple[str, list[list[int]]]:
+    path = save_tiny("qwen3_moe", tmp_path_factory.mktemp("moe"))
+    with LLM(path, skip_tokenizer_init=True, **SMALL_KV) as llm:
+        return path, greedy_tokens(llm, as_id_prompts(TINY_PROMPTS))
+
+
+def test_moe_expert_parallel_inside_one_engine(tiny_moe) -> None:
+    """TP=2 with enable_expert_parallel: each worker holds 4 of the 8 experts."""
+    path, expected = tiny_moe
+    with LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2,
+             enable_expert_parallel=True, **SMALL_KV) as llm:
+        executor = llm.engine.executor
+        assert [i["ep_size"] for i in executor.call("distributed_info")] == [2, 2]
+        executor.execute_dummy()  # a dummy step between real ones changes nothing
+        assert greedy_tokens(llm, as_id_prompts(TINY_PROMPTS)) == expected
+
+
+def _start_dp_engines(path: str, dp_size: int, runtime_dir: str,
+                      pool: ThreadPoolExecutor) -> list[EngineCore]:
+    base = pick_free_port() - 7  # the workers' EP rendezvous is base + 7 + 2 * epoch
+    config = build_engine_config(model=path, skip_tokenizer_init=True, data_parallel_size=dp_size,
+                                 enable_expert_parallel=True, data_parallel_rpc_port=base,
+                                 **SMALL_KV)
+
+    def start(engine_id: int) -> EngineCore:
+        return EngineCore(config, MultiprocExecutor(config, runtime_dir, engine_id), 256,
+                          engine_id)
+
+    # NOTE: concurrently, since each engine's workers wait for the others' in the rendezvous;
+    # on threads that outlive the workers (PR_SET_PDEATHSIG fires when the spawning thread
+    # exits, not the process).
+    futures = [pool.submit(start, i) for i in range(dp_size)]
+    return [f.result(timeout=240) for f in futures]
+
+
+def _run_lockstep(cores: list[EngineCore], prompts: list[list[list[int]]]
+                  ) -> tuple[dict[str, list[int]], list[int]]:
+    """Step every engine together; an engine without work runs a dummy step (as the engine
+    busy loop must while any DP rank has work)."""
+    for core, own in zip(cores, prompts):
+        for i, p in enumerate(own):
+            core.add_request(EngineCoreRequest(f"{core.engine_id}-{i}", p, GREEDY))
+    tokens: dict[str, list[int]] = defaultdict(list)
+    num_dummy = [0] * len(cores)
+
+    def one_step(core: EngineCore) -> None:
+        if core.has_unfinished_requests:
+            for out in core.step().outputs:
+                tokens[out.request_id].extend(out.new_token_ids)
+        else:
+            core.executor.execute_dummy()
+            num_dummy[core.engine_id] += 1
+
+    with ThreadPoolExecutor(len(cores)) as pool:
+        while any(c.has_unfinished_requests for c in cores):
+            list(pool.map(one_step, cores))
+    return tokens, num_dummy
+
+
+def test_moe_expert_parallel_across_two_engines_with_dummy_steps(tiny_moe) -> None:
+    """DP=2 engines x TP=1, EP over both workers: engine 1 holds one short request and then
+    idles on dummy steps while engine 0 still decodes (uneven token counts every step); both
+    match the single process."""
+    path, expected = tiny_moe
+    pool, runtime_dir = ThreadPoolExecutor(2), make_runtime_dir()
+    cores: list[EngineCore] = []
+    try:
+        cores = _start_dp_engines(path, 2, runtime_dir, pool)
+        info = [c.executor.call("distributed_info")[0] for c in cores]
+        assert [(i["dp_rank"], i["ep_size"]) for i in info] == [(0, 2), (1, 2)]
+        short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        cores[1].add_request(EngineCoreRequest("1-short", TINY_PROMPTS[3], short))
+        tokens, num_dummy = _run_lockstep(cores, [TINY_PROMPTS, []])
+        assert [tokens[f"0-{i}"] for i in range(4)] == expected
+        assert tokens["1-short"] == expected[3][:4]
+        assert num_dummy[0] == 0 and num_dummy[1] >= 10  # 16 steps of engine 0, 4 of engine 1
+    finally:
+        for core in cores:
+            core.shutdown()
+        pool.shutdown()
+        remove_runtime_dir(runtime_dir)
+
+
+# --------------------------------------------------------------------- stateless groups
+
+_PEER = textwrap.dedent("""
+    import sys, time, torch
+    from bastion.procs.distributed import StatelessGroup
+    group = StatelessGroup("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, 2.0)
+    group.all_reduce(torch.ones(1))
+    print("joined", flush=True)
+    time.sleep(60)  # hung: never joins the next collective
+""")
+
+
+def test_collective_with_a_hung_or_dead_peer_raises_within_timeout() -> None:
+    port = pick_free_port()
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(port)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        group = StatelessGroup("gloo", "127.0.0.1", port, 0, 2, 2.0)
+        assert group.is_master
+        x = torch.full((3,), 2.0)
+        assert group.all_reduce(x).tolist() == [3.0, 3.0, 3.0]
+        assert peer.stdout.readline().strip() == "joined"
+
+        start = time.monotonic()
+        with pytest.raises(DistributedTimeout, match="all_reduce on group world"):
+            group.all_reduce(torch.ones(1))  # the peer is alive but hung
+        assert 1.5 < time.monotonic() - start < 10
+
+        peer.kill()
+        peer.wait()
+        start = time.monotonic()
+        with pytest.raises(DistributedTimeout):
+            group.barrier()  # the peer is gone
+        assert time.monotonic() - start < 10
+        group.destroy()
+        group.destroy()  # idempotent
+        with pytest.raises(RuntimeError, match="destroyed"):
+            group.all_reduce(torch.ones(1))
+    finally:
+        peer.kill()
+        peer.wait()
+    # the same process can host a fresh group on a fresh port right away
+    solo = StatelessGroup("gloo", "127.0.0.1", pick_free_port(), 0, 1, 2.0)
+    assert solo.all_gather(torch.tensor([7])).tolist() == [7]
+    solo.destroy()

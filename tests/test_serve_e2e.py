@@ -1,0 +1,275 @@
+"""``bastion serve`` end to end: real processes on the CPU, driven by the official ``openai`` client.
+
+One server (with an API key) serves the whole module; its teardown is itself a test of SIGTERM
+(exit code 0, no ``bastion::`` process left, runtime dir removed). Greedy outputs are compared
+token for token (as text) against the offline ``LLM`` running in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import openai
+import pytest
+from serve_fixture import ServerProcess, bastion_titles, descendants, is_live
+
+from bastion import LLM, SamplingParams
+
+API_KEY = "e2e-secret"
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+]
+CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
+MAX_TOKENS = 16
+# A sentinel (bastion::sentinel-0) may run beside these; every bastion:: child must die.
+EXPECTED_CHILDREN = {"bastion::engine-0", "bastion::worker-0-0"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    srv = ServerProcess(api_key=API_KEY, workdir=str(tmp_path_factory.mktemp("serve")))
+    try:
+        srv.wait_healthy(timeout_s=120)
+        tree = descendants(srv.pid)
+        assert EXPECTED_CHILDREN <= set(bastion_titles(tree).values())
+        assert len(srv.runtime_dirs()) == 1
+    except BaseException:
+        srv.kill_tree()
+        raise
+    yield srv
+    # SIGTERM with nothing in flight: exit 0, no process left, runtime dir removed.
+    code = srv.stop(signal.SIGTERM, timeout_s=60)
+    left = bastion_titles(tree)
+    assert code == 0, srv.log_tail()
+    assert not left, f"processes left after SIGTERM: {left}"
+    assert srv.runtime_dirs() == [], "runtime dir not removed"
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", device="cpu", max_model_len=512,
+               kv_cache_memory_bytes=268435456)
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference_texts(llm: LLM) -> list[str]:
+    return [out.outputs[0].text for out in llm.generate(PROMPTS, greedy())]
+
+
+@pytest.fixture(scope="module")
+def reference_chat(llm: LLM) -> str:
+    return llm.chat(CHAT, greedy(24))[0].outputs[0].text
+
+
+IGNORE_EOS = {"ignore_eos": True}
+
+
+def test_list_models(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert models[0].object == "model"
+
+
+def test_completion_greedy_matches_offline(client: openai.OpenAI, model_name: str,
+                                           reference_texts: list[str]) -> None:
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                     temperature=0, extra_body=IGNORE_EOS)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text == reference_texts[0]
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI, model_name: str,
+                                       reference_chat: str) -> None:
+    full = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=24,
+                                          temperature=0, extra_body=IGNORE_EOS)
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == reference_chat
+    chunks = list(client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=24,
+                                                 temperature=0, stream=True,
+                                                 extra_body=IGNORE_EOS))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference_chat
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_n_two_choices(client: openai.OpenAI, model_name: str,
+                       reference_texts: list[str]) -> None:
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                     temperature=0, n=2, extra_body=IGNORE_EOS)
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    # Greedy: both choices are the reference continuation.
+    assert [c.text for c in resp.choices] == [reference_texts[1]] * 2
+    assert resp.usage.completion_tokens == 2 * MAX_TOKENS
+
+
+def test_stop_string(client: openai.OpenAI, model_name: str, reference_texts: list[str]) -> None:
+    ref = reference_texts[2]
+    stop = ref[len(ref) // 2:len(ref) // 2 + 3]
+    assert stop.strip(), f"pick another stop string from {ref!r}"
+    expected = ref[:ref.index(stop)]
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                     temperature=0, stop=[stop], extra_body=IGNORE_EOS)
+    choice = resp.choices[0]
+    assert (choice.text, choice.finish_reason) == (expected, "stop")
+    assert choice.model_extra["stop_reason"] == stop
+
+
+def test_completion_logprobs(client: openai.OpenAI, model_name: str, llm: LLM) -> None:
+    ref = llm.generate(PROMPTS[0], greedy(8, logprobs=2))[0].outputs[0]
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=8,
+                                     temperature=0, logprobs=2, extra_body=IGNORE_EOS)
+    lp = resp.choices[0].logprobs
+    assert "".join(lp.tokens) == resp.choices[0].text == ref.text
+    assert len(lp.token_logprobs) == 8 and len(lp.top_logprobs) == 8
+    for i, (entry, top) in enumerate(zip(ref.logprobs, lp.top_logprobs)):
+        # Greedy: the sampled token is the top-1, so top-2 holds exactly two entries.
+        assert len(top) == 2
+        assert lp.token_logprobs[i] == pytest.approx(max(top.values()))
+        expected = sorted(e.logprob for e in entry.values())
+        assert sorted(top.values()) == pytest.approx(expected, abs=1e-4)
+    assert lp.text_offset[0] == 0
+
+
+def test_chat_logprobs(client: openai.OpenAI, model_name: str, reference_chat: str) -> None:
+    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body=IGNORE_EOS)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 8 == resp.usage.completion_tokens
+    assert "".join(t.token for t in content) == resp.choices[0].message.content
+    assert reference_chat.startswith(resp.choices[0].message.content)
+    for tok in content:
+        assert len(tok.top_logprobs) == 2
+        assert tok.top_logprobs[0].token == tok.token
+        assert tok.top_logprobs[0].logprob == pytest.approx(tok.logprob)
+        assert tok.top_logprobs[1].logprob <= tok.logprob <= 0.0
+
+
+def test_usage(client: openai.OpenAI, model_name: str, llm: LLM) -> None:
+    num_prompt = len(llm.tokenizer.encode(PROMPTS[3]))
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[3], max_tokens=5,
+                                     temperature=0, extra_body=IGNORE_EOS)
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens,
+            resp.usage.total_tokens) == (num_prompt, 5, num_prompt + 5)
+    chunks = list(client.completions.create(
+        model=model_name, prompt=PROMPTS[3], max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    last = chunks[-1]
+    assert last.choices == []
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (num_prompt, 5)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == resp.choices[0].text
+
+
+def test_client_errors(client: openai.OpenAI, model_name: str) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 512"):
+        client.completions.create(model=model_name, prompt=" hello" * 600, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=model_name, prompt="hi", temperature=-1.0)
+    with pytest.raises(openai.BadRequestError, match="n must be at most"):
+        client.completions.create(model=model_name, prompt="hi", n=100)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=model_name, messages=[])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="no-such-model", prompt="hi")
+    wrong = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    # The server is unaffected by all of the above.
+    resp = client.completions.create(model=model_name, prompt="hi", max_tokens=2)
+    assert resp.usage.completion_tokens >= 1
+
+
+def test_concurrent_streams_match_offline(server: ServerProcess, model_name: str,
+                                          reference_texts: list[str]) -> None:
+    async def one(aclient: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None]:
+        stream = await aclient.completions.create(model=model_name, prompt=prompt,
+                                                  max_tokens=MAX_TOKENS, temperature=0,
+                                                  stream=True, extra_body=IGNORE_EOS)
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY,
+                                      max_retries=0, timeout=300) as aclient:
+            return await asyncio.gather(*(one(aclient, PROMPTS[i % len(PROMPTS)])
+                                          for i in range(64)))
+
+    results = asyncio.run(main())
+    expected = [(reference_texts[i % len(PROMPTS)], "length") for i in range(64)]
+    assert results == expected
+
+
+def _wait_for_idle_engine(server: ServerProcess, timeout_s: float) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if m["bastion:num_requests_running"] == 0 and m["bastion:kv_cache_usage_perc"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def test_disconnect_aborts_and_frees_blocks(client: openai.OpenAI, model_name: str,
+                                            server: ServerProcess) -> None:
+    stream = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=400,
+                                       temperature=0, stream=True, extra_body=IGNORE_EOS)
+    num_chunks = 0
+    for _ in stream:
+        num_chunks += 1
+        if num_chunks == 3:
+            break
+    busy = server.metrics()
+    assert busy["bastion:num_requests_running"] == 1
+    assert busy["bastion:kv_cache_usage_perc"] > 0
+    stream.close()
+    idle = _wait_for_idle_engine(server, timeout_s=10)
+    assert idle["bastion:num_requests_running"] == 0
+    assert idle["bastion:kv_cache_usage_perc"] == 0
+    assert idle["bastion:num_requests_waiting"] == 0
+
+
+@pytest.fixture
+def second_server(tmp_path) -> ServerProcess:
+    srv = ServerProcess(workdir=str(tmp_path))
+    yield srv
+    srv.kill_tree()
+
+
+def test_sigkill_of_api_takes_children(second_server: ServerProcess) -> None:
+    second_server.wait_healthy(timeout_s=120)
+    children = bastion_titles(descendants(second_server.pid))
+    assert EXPECTED_CHILDREN <= set(children.values())
+    second_server.proc.send_signal(signal.SIGKILL)
+    second_server.proc.wait(10)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(is_live(pid) for pid in children):
+        time.sleep(0.1)
+    assert not bastion_titles(list(children)), "children outlived a SIGKILLed API process"
