@@ -88,9 +88,10 @@ class StatelessGroup:
         if _store is None:
             _store = _connect_store(host, port, rank, world_size, rendezvous_timeout_s)
         self.store: dist.Store | None = _store
+        prefixed = PrefixStore(f"{name}/", _store)
+        _wait_for_all(prefixed, rank, world_size, rendezvous_timeout_s, name)
         self.pg: dist.ProcessGroup | None = _make_process_group(
-            backend, PrefixStore(f"{name}/", _store), rank, world_size, timeout_s,
-            rendezvous_timeout_s)
+            backend, prefixed, rank, world_size, timeout_s, rendezvous_timeout_s)
 
     def subgroup(self, name: str, ranks: list[int]) -> StatelessGroup | None:
         """A group of ``ranks`` (ranks of this group) over the same store; every member of
@@ -182,6 +183,18 @@ def _connect_store(host: str, port: int, rank: int, world_size: int,
         role = "host" if rank == 0 else "reach"
         raise DistributedTimeout(f"rank {rank} could not {role} the rendezvous at "
                                  f"{host}:{port} within {timeout_s:.0f} s: {exc}") from exc
+
+
+def _wait_for_all(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                  name: str) -> None:
+    """Return once every rank has arrived: a lower rank's process group can be built before
+    its peers exist, and its first collective would then spend its short timeout waiting."""
+    store.set(f"arrived/{rank}", b"1")
+    try:
+        store.wait([f"arrived/{r}" for r in range(world_size)], _timedelta(timeout_s))
+    except Exception as exc:
+        raise DistributedTimeout(f"group {name}: not every one of {world_size} ranks arrived "
+                                 f"within {timeout_s:.0f} s: {exc}") from exc
 
 
 def _make_process_group(backend: str, store: dist.Store, rank: int, world_size: int,

@@ -293,7 +293,9 @@ def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
     start = time.perf_counter()
     resolved = resolve_model(config.model)
     max_model_len = get_max_model_len(resolved.hf_config, config.model.max_model_len)
-    executor = MultiprocExecutor(config, info.addresses["runtime_dir"], engine_id, epoch=epoch)
+    start_paused = info.addresses.get("start_paused") == "1"
+    executor = MultiprocExecutor(config, info.addresses["runtime_dir"], engine_id, epoch=epoch,
+                                 defer_groups=start_paused)
     try:
         core = EngineCore(config, executor, max_model_len, engine_id)
     except Exception as exc:
@@ -301,7 +303,7 @@ def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
         handshake.send_multipart(encode(Failure("engine", engine_id, str(exc))))
         raise SystemExit(1) from exc
     proc = EngineProc(core, executor, config, ctx, info.addresses)
-    if info.addresses.get("start_paused") == "1":
+    if start_paused:
         proc.health.set_paused()
     else:
         if proc.is_coupled:

@@ -108,6 +108,7 @@ class AsyncEngineClient:
         self._held: list[_Seq] = []  # waiting for the group to be healthy
         self._stats = {i: SchedulerStats() for i in self.engine_ids}
         self._inflight = {i: 0 for i in self.engine_ids}
+        self._num_submitted = {i: 0 for i in self.engine_ids}  # load-balancing record
         self._statuses = [EngineStatus(i, EngineState.STARTING) for i in range(self.dp_size)]
         self.epoch = 0
         self.fatal: str | None = None
@@ -193,6 +194,7 @@ class AsyncEngineClient:
                                           resumed_output_token_ids=list(produced))
         self._by_engine_id[seq.engine_request_id] = seq
         self._inflight[engine_id] += 1
+        self._num_submitted[engine_id] += 1
         self.input_sockets[engine_id].send_multipart(encode(request))
 
     def _pick_engine(self) -> int:
@@ -333,7 +335,8 @@ class AsyncEngineClient:
         return request_id
 
     def status(self) -> list[dict]:
-        return [msgspec.structs.asdict(s) | {"state": s.state.name.lower()}
+        return [msgspec.structs.asdict(s) | {"state": s.state.name.lower(),
+                                             "num_requests": self._num_submitted.get(s.engine_id)}
                 for s in self._statuses]
 
     def inject(self, kind: str, engine: int) -> None:

@@ -41,7 +41,10 @@ class WorkerFailure(RuntimeError):
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, runtime_dir: str, engine_id: int,
-                 startup_timeout_s: float = 300.0, epoch: int = 0) -> None:
+                 startup_timeout_s: float = 300.0, epoch: int = 0,
+                 defer_groups: bool = False) -> None:
+        """``defer_groups``: a restarted engine's workers load their shards without joining
+        the cross-engine groups, which they join at the group's next ``recover``."""
         self.config = config
         self.epoch = epoch
         self.engine_id = engine_id
@@ -67,7 +70,8 @@ class MultiprocExecutor:
                                          "runtime_dir": runtime_dir, "dist_host": dist_host,
                                          "dist_port": str(dist_port), "dp_rank": str(engine_id),
                                          "dp_size": str(config.parallel.data_parallel_size),
-                                         "epoch": str(epoch)}, rank)
+                                         "epoch": str(epoch),
+                                         "defer_groups": "1" if defer_groups else "0"}, rank)
         handshake = HandshakeServer(self.ctx, ipc_address(runtime_dir, f"{prefix}-workers-hs"))
         self.workers: list[Child] = [
             spawn_child("worker", rank, f"bastion::worker-{engine_id}-{rank}", handshake.address)

@@ -142,12 +142,24 @@ class Server:
         client.on_stats = app[METRICS_KEY].observe_scheduler_stats
         return app
 
+    def _phase(self, client: AsyncEngineClient) -> str:
+        states = {s.state.name.lower() for s in client.engine_statuses()}
+        for phase in ("dead", "recovering", "unhealthy", "starting"):
+            if phase in states:
+                return phase
+        return "serving"
+
     async def _wait_until_stopped(self, client: AsyncEngineClient, app: web.Application) -> None:
+        phase = "serving"
         while not self.stop_event.is_set():
             try:
-                await asyncio.wait_for(self.stop_event.wait(), timeout=0.5)
+                await asyncio.wait_for(self.stop_event.wait(), timeout=0.25)
             except asyncio.TimeoutError:
                 pass
+            if self._phase(client) != phase:
+                phase = self._phase(client)
+                self.notifier.status(phase)
+                logger.info("status: %s", phase)
             if client.fatal is not None or not client.children_alive():
                 logger.error("the engine group cannot be recovered (%s); exiting",
                              client.fatal or "a sentinel process died")

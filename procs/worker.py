@@ -25,9 +25,11 @@ from bastion.ipc.messages import Failure, HandshakeInfo, Ready, WorkerCall, Work
 from bastion.ops.communicator import (
     GroupCoordinator,
     detach_model_parallel,
+    get_ep_group,
+    get_tp_group,
     init_model_parallel,
 )
-from bastion.procs.distributed import WorkerGroups, build_worker_groups
+from bastion.procs.distributed import WorkerGroups, build_worker_groups, spans_engines
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,19 @@ class Worker:
         ep = self.groups.ep
         init_model_parallel(GroupCoordinator.from_process_group(self.groups.tp.pg),
                             None if ep is None else GroupCoordinator.from_process_group(ep.pg))
+
+    def reserve_ranks(self) -> None:
+        """Set this worker's TP/EP ranks and sizes without joining any group, so the model
+        loads its shards now and the groups are joined later (``reinit_distributed``)."""
+        par = self.config.parallel
+        tp_size = par.tensor_parallel_size
+        tp = get_tp_group()
+        tp.rank, tp.world_size, tp.group = self.rank, tp_size, None
+        if par.enable_expert_parallel:
+            ep = get_ep_group()
+            ep_size = tp_size * (par.data_parallel_size if spans_engines(par) else 1)
+            ep.rank = (self.dp_rank * tp_size + self.rank) if spans_engines(par) else self.rank
+            ep.world_size, ep.group = ep_size, None
 
     def destroy_distributed(self) -> None:
         """Drop the groups (safe when a peer died); the model waits for ``reinit``."""
@@ -135,7 +150,9 @@ def run_worker(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
                ctx: zmq.Context) -> None:
     addresses = info.addresses
     worker = Worker(config, info.rank, int(addresses.get("dp_rank", "0")))
-    if worker.is_distributed:
+    if worker.is_distributed and addresses.get("defer_groups") == "1":
+        worker.reserve_ranks()
+    elif worker.is_distributed:
         worker.init_distributed(addresses["dist_host"], int(addresses["dist_port"]),
                                 int(addresses.get("epoch", "0")))
     worker.runner.load_model()

@@ -59,7 +59,9 @@ stage() {
 
 run_serve() {
   local port=8011 slog=$STAGE_LOGS/server.log
-  $PY -m bastion.procs.cli serve --port $port --max-model-len 2048 \
+  # SERVE_MODEL_ARGS: e.g. "path/to/folder --load-format dummy" (a config.json and tokenizer
+  # files, random weights) where the embedded model's package is not installed.
+  $PY -m bastion.procs.cli serve ${SERVE_MODEL_ARGS:-} --port $port --max-model-len 2048 \
     --max-num-batched-tokens 16384 >"$slog" 2>&1 &
   local pid=$!
   for _ in $(seq 240); do
@@ -78,7 +80,7 @@ run_serve() {
   return $rc
 }
 export -f run_serve
-export PY OUT STAGE_LOGS
+export PY OUT STAGE_LOGS SERVE_MODEL_ARGS
 
 STAGES=${*:-tests offline floor latency kernels hf serve}
 nvidia-smi -L 2>&1 | tee -a "$LOG"
@@ -95,13 +97,13 @@ for s in $STAGES; do
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
-    hf) stage hf 180 'workload|bastion|HF|ratio|Error' -- \
+    hf) stage hf 80 'workload|bastion|HF|ratio|Error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 \
-      --num-seqs 32 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
+      --num-seqs 16 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
       --temperature 0 --max-num-batched-tokens 16384 --hf-continuous-batching ;;
     latency) stage latency 150 'latency|avg|floor|Error' -- \
       $PY scripts/bench_latency.py --model $LLAMA ;;
-    serve) stage serve 300 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
+    serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac
 done

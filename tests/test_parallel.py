@@ -198,7 +198,7 @@ _PEER = textwrap.dedent("""
     import sys, time, torch
     from bastion.procs.distributed import StatelessGroup
     group = StatelessGroup("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, 2.0)
-    group.all_reduce(torch.ones(1))
+    group.all_reduce(torch.ones(3))
     print("joined", flush=True)
     time.sleep(60)  # hung: never joins the next collective
 """)

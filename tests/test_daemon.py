@@ -1,0 +1,164 @@
+"""Running as a systemd daemon: sd_notify order, watchdog, graceful drain and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, descendants, free_port
+
+STREAM_BODY = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "prompt": "Once upon a time",
+               "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def start_server(notify_path: str, *extra: str, watchdog_usec: int | None = None):
+    port = free_port()
+    env = {**os.environ, "NOTIFY_SOCKET": notify_path,
+           "XDG_RUNTIME_DIR": tempfile.mkdtemp(prefix="bastion-daemon-")}
+    if watchdog_usec is not None:
+        env["WATCHDOG_USEC"] = str(watchdog_usec)
+    log = tempfile.NamedTemporaryFile(prefix="bastion-daemon-", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "bastion.procs.cli", "serve", "--port",
+                             str(port), *SMALL_SERVER_ARGS, *extra], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if watchdog_usec is not None:
+        env["WATCHDOG_PID"] = str(proc.pid)
+    return proc, port, log.name
+
+
+def receive(sock: socket.socket, until: str, timeout_s: float) -> list[str]:
+    """Datagrams (split into assignments) until one contains ``until``."""
+    got: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            data = sock.recv(4096).decode()
+        except TimeoutError:
+            break
+        got.extend(data.splitlines())
+        if any(until in line for line in data.splitlines()):
+            return got
+    raise AssertionError(f"never received {until!r}; got {got}")
+
+
+def stream(port: int, out: list, key: int) -> None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 json.dumps(STREAM_BODY).encode(),
+                                 {"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if event.get("choices"):
+                    text.append(event["choices"][0]["text"])
+            elif line == "data: [DONE]":
+                text.append("[DONE]")
+    out[key] = "".join(text)
+
+
+def test_notify_order_drain_on_sigterm_and_exit_zero(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    proc, port, log = start_server(path, "--drain-timeout", "120", watchdog_usec=2_000_000)
+    try:
+        before_ready = receive(sock, "READY=1", 180)
+        assert "STATUS=loading" in before_ready
+        after = receive(sock, "WATCHDOG=1", 10)  # pings every WATCHDOG_USEC / 2
+        assert "STATUS=serving" in before_ready + after
+        results: list = [None] * 3
+        threads = [threading.Thread(target=stream, args=(port, results, i)) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)  # the streams are running
+        proc.send_signal(signal.SIGTERM)
+        draining = receive(sock, "STATUS=draining", 10)
+        assert draining
+        # New requests are refused while the old ones finish.
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     json.dumps({**STREAM_BODY, "stream": False}).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=10)
+            raise AssertionError("a new request was admitted while draining")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503
+            assert exc.headers.get("Retry-After")
+            assert json.loads(exc.read())["error"]["code"] == "server_draining"
+        for t in threads:
+            t.join(300)
+        assert all(r is not None and r.endswith("[DONE]") and len(r) > 20 for r in results)
+        stopping = receive(sock, "STOPPING=1", 60)
+        assert stopping
+        assert proc.wait(60) == 0, open(log).read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sock.close()
+
+
+def test_watchdog_stops_while_an_engine_is_hung(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    proc, port, log = start_server(path, "--enable-fault-injection", "--no-ft-auto-recovery",
+                                   "--ft-hang-timeout-s", "3",
+                                   "--data-parallel-rpc-port", str(free_port()),
+                                   watchdog_usec=1_000_000)
+    try:
+        receive(sock, "READY=1", 180)
+        receive(sock, "WATCHDOG=1", 5)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/fault_tolerance/inject",
+                                     json.dumps({"kind": "hang", "engine": 0}).encode(),
+                                     {"Content-Type": "application/json"})
+        assert urllib.request.urlopen(req, timeout=10).status == 200
+        receive(sock, "STATUS=unhealthy", 30)
+        sock.settimeout(0.2)
+        while True:  # drain what was sent before the hang was seen
+            try:
+                sock.recv(4096)
+            except TimeoutError:
+                break
+        quiet_until = time.monotonic() + 3.0
+        pings = []
+        while time.monotonic() < quiet_until:
+            try:
+                pings.append(sock.recv(4096).decode())
+            except TimeoutError:
+                pass
+        assert not any("WATCHDOG=1" in p for p in pings), pings
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        sock.close()
+
+
+def test_unrecoverable_engine_death_exits_non_zero():
+    server = ServerProcess((*SMALL_SERVER_ARGS, "--ft-max-attempts", "1",
+                            "--ft-recovery-timeout-s", "0.5",
+                            "--data-parallel-rpc-port", str(free_port())))
+    try:
+        server.wait_healthy(180)
+        engine = next(p for p in descendants(server.pid)
+                      if open(f"/proc/{p}/cmdline").read().startswith("bastion::engine"))
+        os.kill(engine, signal.SIGKILL)
+        assert server.proc.wait(120) != 0
+        assert server.runtime_dirs() == []
+    finally:
+        server.kill_tree()

@@ -1,0 +1,89 @@
+"""Data parallel serving: internal load balancing and external (one server per rank) mode,
+with a tiny Qwen3-MoE whose experts are spread over both engines' workers."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import urllib.request
+
+import pytest
+from serve_fixture import ServerProcess
+from test_fault_tolerance import PROMPTS, moe_folder, post  # noqa: F401 (fixture)
+
+from bastion import LLM, SamplingParams
+
+MAX_TOKENS = 12
+
+
+def dp_args(folder: str, port: int, *extra: str) -> tuple[str, ...]:
+    return ("--model", folder, "--served-model-name", "m", "--dtype", "float32", "--device",
+            "cpu", "--max-model-len", "256", "--kv-cache-memory-bytes", "16777216",
+            "--data-parallel-size", "2", "--enable-expert-parallel",
+            "--data-parallel-rpc-port", str(port), "--distributed-timeout-s", "8", *extra)
+
+
+def complete(server: ServerProcess, prompt: str) -> str:
+    code, body = post(server, "/v1/completions", {"model": "m", "prompt": prompt,
+                                                  "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                  "ignore_eos": True})
+    assert code == 200, body
+    return body["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def offline_greedy(moe_folder) -> dict[str, str]:  # noqa: F811
+    """One process, no parallelism: the reference."""
+    llm = LLM(moe_folder, dtype="float32", max_model_len=256)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                ignore_eos=True))
+    return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
+
+
+def test_internal_dp_spreads_load_and_matches_one_process(moe_folder, offline_greedy):  # noqa: F811
+    server = ServerProcess(dp_args(moe_folder, random.randrange(20000, 40000, 50)))
+    try:
+        server.wait_healthy(240)
+        results: dict[int, str] = {}
+
+        def run(i: int) -> None:
+            results[i] = complete(server, PROMPTS[i % len(PROMPTS)])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(results) == 8  # each request answered exactly once
+        for i, text in results.items():
+            assert text == offline_greedy[PROMPTS[i % len(PROMPTS)]]
+        code, body = server.get("/fault_tolerance/status")
+        counts = [e["num_requests"] for e in json.loads(body)["engines"]]
+        assert sum(counts) == 8 and min(counts) >= 2, counts
+        assert server.stop() == 0
+    finally:
+        server.kill_tree()
+
+
+def test_external_dp_each_rank_serves_and_idle_rank_runs_dummy_batches(moe_folder,  # noqa: F811
+                                                                       offline_greedy):
+    port = random.randrange(20000, 40000, 50)
+    rank0 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "0"))
+    rank1 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "1"))
+    try:
+        rank0.wait_healthy(240)
+        rank1.wait_healthy(240)
+        # Only rank 0 gets work: rank 1 must step dummy batches for the expert collectives.
+        assert complete(rank0, PROMPTS[0]) == offline_greedy[PROMPTS[0]]
+        assert complete(rank1, PROMPTS[1]) == offline_greedy[PROMPTS[1]]
+        for server in (rank0, rank1):
+            code, body = server.get("/fault_tolerance/status")
+            engines = json.loads(body)["engines"]
+            assert [e["state"] for e in engines] == ["healthy", "healthy"]
+        # Rank 0 hosts the coordinator; stopping it first leaves rank 1 to drain on its own.
+        assert rank0.stop() == 0
+        assert rank1.stop() == 0
+    finally:
+        rank1.kill_tree()
+        rank0.kill_tree()

@@ -1,0 +1,253 @@
+"""Fault tolerance end to end: real processes, gloo, a tiny Qwen3-MoE with expert parallelism
+over two data-parallel engines. Every fault must be detected, the group must recover by itself
+(or by one operator call in manual mode), and in-flight requests must finish with exactly the
+tokens of a fault-free greedy run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import torch
+
+from conftest import tiny_config
+from serve_fixture import ServerProcess, descendants, process_title
+
+PROMPTS = ["Once upon a time", "The capital of France is", "def main():", "1, 2, 3,"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory, embedded_gguf_path) -> str:
+    """A tiny random-weight Qwen3-MoE checkpoint with the embedded model's tokenizer."""
+    from bastion.core.loader.gguf_loader import ensure_converted
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-moe")
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", vocab_size=49152),
+                                             dtype=torch.float32)
+    model.save_pretrained(folder)
+    converted = ensure_converted(embedded_gguf_path)
+    for name in os.listdir(converted):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(converted / name, folder / name)
+    return str(folder)
+
+
+def server_args(folder: str, *extra: str) -> tuple[str, ...]:
+    base_port = random.randrange(20000, 40000, 50)
+    return ("--model", folder, "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
+            "--kv-cache-memory-bytes", "16777216", "--data-parallel-size", "2",
+            "--enable-expert-parallel", "--data-parallel-rpc-port", str(base_port),
+            "--distributed-timeout-s", "8", "--ft-hang-timeout-s", "10",
+            "--ft-backoff-s", "0.5", "--enable-fault-injection", *extra)
+
+
+def post(server: ServerProcess, path: str, body: dict, timeout: float = 120.0
+         ) -> tuple[int, dict]:
+    req = urllib.request.Request(server.base_url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def stream_tokens(server: ServerProcess, prompt: str, out: dict, key: object,
+                  started: threading.Event | None = None) -> None:
+    """Stream a greedy completion; record its token texts, or the error it ended with."""
+    req = urllib.request.Request(
+        server.base_url + "/v1/completions",
+        json.dumps({"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    pieces = []
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                pieces.append(f"<error: {event['error']['message']}>")
+            elif event["choices"]:
+                pieces.append(event["choices"][0]["text"])
+                if started is not None:
+                    started.set()
+    out[key] = "".join(pieces)
+
+
+def status(server: ServerProcess) -> list[dict]:
+    code, body = server.get("/fault_tolerance/status")
+    assert code == 200
+    return json.loads(body)["engines"]
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def healthy_at(server: ServerProcess, min_epoch: int) -> bool:
+    engines = status(server)
+    return all(e["state"] == "healthy" and e["epoch"] >= min_epoch for e in engines)
+
+
+def pid_of(server: ServerProcess, title: str) -> int:
+    for pid in descendants(server.pid):
+        if process_title(pid) == title:
+            return pid
+    raise AssertionError(f"no process {title}")
+
+
+@pytest.fixture(scope="module")
+def auto_server(moe_folder):
+    server = ServerProcess(server_args(moe_folder, "--served-model-name", "m"))
+    try:
+        server.wait_healthy(240)
+        yield server
+        assert server.stop() == 0, server.log_tail()
+        assert server.runtime_dirs() == []
+    finally:
+        server.kill_tree()
+
+
+@pytest.fixture(scope="module")
+def reference(auto_server) -> dict[str, str]:
+    out: dict = {}
+    for prompt in PROMPTS:
+        stream_tokens(auto_server, prompt, out, prompt)
+    return out
+
+
+def run_fault(server: ServerProcess, reference: dict[str, str], fault) -> dict:
+    """Stream every prompt, fire ``fault`` once tokens flow, send one more request during the
+    recovery, and check that all of them end with the fault-free tokens."""
+    epoch = max(e["epoch"] for e in status(server))
+    out: dict = {}
+    started = threading.Event()
+    threads = [threading.Thread(target=stream_tokens, args=(server, p, out, p, started))
+               for p in PROMPTS]
+    for t in threads:
+        t.start()
+    assert started.wait(120)
+    t0 = time.monotonic()
+    fault()
+    wait_for(lambda: not healthy_at(server, 0), 30, "the fault to be seen")
+    detected = time.monotonic() - t0
+    late = threading.Thread(target=stream_tokens, args=(server, PROMPTS[1], out, "late"))
+    late.start()
+    for t in [*threads, late]:
+        t.join(300)
+    wait_for(lambda: healthy_at(server, epoch + 1), 60, "recovery")
+    assert {p: out.get(p) for p in PROMPTS} == reference
+    assert out.get("late") == reference[PROMPTS[1]]
+    return {"detect_s": detected}
+
+
+def inject(server: ServerProcess, kind: str, engine: int) -> None:
+    code, body = post(server, "/fault_tolerance/inject", {"kind": kind, "engine": engine})
+    assert code == 200, body
+
+
+@pytest.mark.parametrize("kind", ["raise", "worker_exit", "hang"])
+def test_injected_fault_recovers_and_requests_resume(auto_server, reference, kind):
+    run_fault(auto_server, reference, lambda: inject(auto_server, kind, 1))
+
+
+@pytest.mark.parametrize("title", ["bastion::worker-1-0", "bastion::engine-0"])
+def test_kill_9_recovers_and_requests_resume(auto_server, reference, title):
+    run_fault(auto_server, reference,
+              lambda: os.kill(pid_of(auto_server, title), signal.SIGKILL))
+
+
+def test_ten_faults_in_a_row_each_recover(auto_server, reference):
+    for i in range(10):
+        epoch = max(e["epoch"] for e in status(auto_server))
+        inject(auto_server, "raise", i % 2)
+        wait_for(lambda: healthy_at(auto_server, epoch + 1), 60, f"recovery {i}")
+    out: dict = {}
+    stream_tokens(auto_server, PROMPTS[0], out, "after")
+    assert out["after"] == reference[PROMPTS[0]]
+
+
+def test_fault_during_recovery_is_handled(auto_server, reference):
+    epoch = max(e["epoch"] for e in status(auto_server))
+    os.kill(pid_of(auto_server, "bastion::engine-1"), signal.SIGKILL)
+    wait_for(lambda: any(e["state"] == "recovering" for e in status(auto_server)), 30,
+             "recovery to start")
+    inject(auto_server, "raise", 0)  # lands while engine 1 is being restarted
+    wait_for(lambda: healthy_at(auto_server, epoch + 1), 120, "recovery")
+    out: dict = {}
+    stream_tokens(auto_server, PROMPTS[2], out, "after")
+    assert out["after"] == reference[PROMPTS[2]]
+
+
+def test_no_kv_block_leaks_after_faults(auto_server):
+    metrics = auto_server.metrics()
+    assert metrics["bastion:num_requests_running"] == 0
+    assert metrics["bastion:kv_cache_usage_perc"] == 0
+
+
+def test_manual_mode_status_then_one_apply_recovers(moe_folder):
+    server = ServerProcess(server_args(moe_folder, "--served-model-name", "m",
+                                       "--no-ft-auto-recovery"))
+    try:
+        server.wait_healthy(240)
+        code, body = post(server, "/fault_tolerance/apply", {"instruction": "reboot"})
+        assert code == 400 and body["error"]["param"] == "instruction"
+        inject(server, "raise", 1)
+        wait_for(lambda: status(server)[1]["state"] == "unhealthy", 30, "the fault")
+        engines = status(server)
+        assert "injected fault" in engines[1]["fault_info"]
+        assert server.get("/health")[0] == 503
+        code, body = post(server, "/fault_tolerance/apply", {"instruction": "retry"})
+        assert code == 202
+        wait_for(lambda: healthy_at(server, 1), 60, "retry")
+        assert status(server)[0]["last_action_id"] == body["request_id"]
+        # A dead engine: retry cannot help, reinit can.
+        os.kill(pid_of(server, "bastion::engine-1"), signal.SIGKILL)
+        wait_for(lambda: status(server)[1]["state"] == "dead", 30, "engine 1 dead")
+        code, _ = post(server, "/fault_tolerance/apply", {"instruction": "retry"})
+        wait_for(lambda: status(server)[0]["last_action_error"] is not None, 60, "retry fails")
+        code, body = post(server, "/fault_tolerance/apply", {"instruction": "reinit"})
+        assert code == 202
+        wait_for(lambda: healthy_at(server, 3), 120, "reinit")
+        out: dict = {}
+        stream_tokens(server, PROMPTS[0], out, "after")
+        assert not out["after"].startswith("<error")
+        assert server.stop() == 0
+    finally:
+        server.kill_tree()
+
+
+def test_unrecoverable_fault_exits_non_zero(moe_folder):
+    # Recovery needs a restart that cannot finish within 0.5 s, twice: the group is dead.
+    server = ServerProcess(server_args(moe_folder, "--served-model-name", "m",
+                                       "--ft-max-attempts", "2",
+                                       "--ft-recovery-timeout-s", "0.5"))
+    try:
+        server.wait_healthy(240)
+        children = descendants(server.pid)
+        os.kill(pid_of(server, "bastion::engine-1"), signal.SIGKILL)
+        assert server.proc.wait(120) != 0
+        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and process_title(p)
+                                 for p in children), 20, "no process left behind")
+        assert server.runtime_dirs() == []
+    finally:
+        server.kill_tree()
