@@ -55,6 +55,8 @@ class EngineCore:
                     config.cache.block_size, num_blocks * bytes_per_block / 2**20,
                     time.perf_counter() - start)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
+        par = config.parallel
+        self.is_coupled = par.data_parallel_size > 1 and par.enable_expert_parallel
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_request(request))
@@ -72,6 +74,9 @@ class EngineCore:
             outputs = self.scheduler.take_rejected()
         else:
             sched = self.scheduler.schedule()
+            # NOTE: in a coupled (expert-parallel) DP group every engine must run a forward
+            # each step; one that scheduled nothing (pool full) runs a dummy one.
+            sched.is_dummy = self.is_coupled and not sched.num_scheduled_tokens
             result = self.executor.execute_model(sched)
             outputs = self.scheduler.update_from_output(sched, result)
         return EngineCoreOutputs(self.engine_id, outputs, self.scheduler.make_stats(),

@@ -3,6 +3,7 @@ and samples. It applies each step's ``SchedulerOutput`` delta to its own copy of
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -111,7 +112,9 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self._allocate_kv_cache(num_blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+        # NOTE: positions index the rotary table, which ends at max_model_len; a token budget
+        # above it must wrap, or the rotary kernel reads past the table.
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         meta = _dummy_prefill_metadata(num_tokens, num_blocks, self.block_size, self.device)
         with set_forward_context(meta):
             hidden = self.model(ids, positions)
@@ -227,13 +230,15 @@ class ModelRunner:
         if not np.array_equal(positions + 1, lengths):  # a 1-token chunk of a longer prompt
             return None
         bs = self.block_size
-        width = int(positions.max()) // bs + 1
+        # Only the blocks the context occupies (the scheduler may have allocated more).
+        num_blocks = positions // bs + 1
+        width = int(num_blocks.max())
         if not self.graph_runner.can_run(num_seqs, width):
             return None
+        # One concatenate + one masked scatter instead of a numpy row copy per sequence.
+        flat = np.concatenate([s.block_table[:n] for s, n in zip(states, num_blocks.tolist())])
         tables = np.zeros((num_seqs, width), dtype=np.int32)
-        for row, state in zip(tables, states):
-            n = min(state.num_blocks, width)
-            row[:n] = state.block_table[:n]
+        tables[np.arange(width) < num_blocks[:, None]] = flat
         slots = tables[np.arange(num_seqs), positions // bs].astype(np.int64) * bs + positions % bs
         return states, DecodeInputs(input_ids, positions, slots, tables)
 
@@ -286,7 +291,7 @@ class ModelRunner:
             query_start_loc=_to_device(query_start_loc, torch.int32, dev),
             seq_lens=_to_device(seq_lens, torch.int32, dev),
             block_tables=_to_device(table, torch.int32, dev),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_query_len=max(b - a for a, b in itertools.pairwise(query_start_loc)),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,

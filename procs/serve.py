@@ -94,7 +94,9 @@ class Server:
         self.client = client
         runner = None
         try:
-            await loop.run_in_executor(None, client.start, self.args.startup_timeout)
+            # NOTE: spawn from the main thread: a child's parent-death signal fires when the
+            # *thread* that forked it exits, so a pool thread would doom the sentinels.
+            client.start(self.args.startup_timeout)
             client.start_output_loop()
             if not await client.wait_until_healthy(self.args.startup_timeout):
                 raise RuntimeError("the engine group did not become healthy")
@@ -111,6 +113,9 @@ class Server:
             self.notifier.ready()
             self.notifier.status("serving")
             await self._wait_until_stopped(client, app)
+        except BaseException:
+            self.exit_code = 1
+            raise
         finally:
             watchdog.cancel()
             self.notifier.stopping()

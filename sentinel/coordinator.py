@@ -93,8 +93,11 @@ class Coordinator:
         action = f"{source}-{instruction}"
         self.recovering = True
         error = None
+        # An operator's instruction is one attempt whose error they read in the status; only
+        # automatic recovery retries, and only its exhaustion is fatal.
+        max_attempts = self.ft.ft_max_attempts if source == "auto" else 1
         try:
-            for attempt in range(1, self.ft.ft_max_attempts + 1):
+            for attempt in range(1, max_attempts + 1):
                 self.epoch += 1
                 t0 = time.monotonic()
                 self._set_all(EngineState.RECOVERING, action, request_id)
@@ -112,9 +115,12 @@ class Coordinator:
                 logger.error("coordinator: attempt %d failed: %s", attempt, error)
                 for status in self.statuses:
                     status.last_action_error = error
-                if attempt < self.ft.ft_max_attempts:
+                if attempt < max_attempts:
                     self._sleep(self.ft.ft_backoff_s * 2 ** (attempt - 1))
-            self._give_up(action, request_id, error)
+            if source == "auto":
+                self._give_up(action, request_id, error)
+            else:
+                self._mark_failed(action, request_id, error)
             return False
         finally:
             self.recovering = False
@@ -156,6 +162,15 @@ class Coordinator:
             if info and "process is dead" in info:
                 self.statuses[rank].state = EngineState.DEAD
                 self.statuses[rank].fault_info = info
+        self.broadcast()
+
+    def _mark_failed(self, action: str, request_id: str | None, error: str | None) -> None:
+        """A manual attempt failed: engines whose process is gone are dead, the others
+        unhealthy; the group waits for the next instruction."""
+        self._set_all(EngineState.UNHEALTHY, action, request_id, error)
+        for rank, info in self.failures.items():
+            if info and "process is dead" in info:
+                self.statuses[rank].state = EngineState.DEAD
         self.broadcast()
 
     def _give_up(self, action: str, request_id: str | None, error: str | None) -> None:

@@ -52,8 +52,8 @@ class Sentinel:
 
     def start(self, handshake: zmq.Socket) -> None:
         t0 = time.perf_counter()
-        self.engine.start(epoch=0, start_paused=False,
-                          timeout_s=self.ft.ft_recovery_timeout_s * 5)
+        # The first start loads the model from scratch; the API's own --startup-timeout bounds it.
+        self.engine.start(epoch=0, start_paused=False, timeout_s=3600.0)
         handshake.send_multipart(encode(Ready("sentinel", self.rank, os.getpid())))
         if self.coordinator is None:
             self.peers.to_coordinator(PeerMessage("hello", self.rank))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -87,19 +88,23 @@ class ServerProcess:
     """One ``bastion serve`` subprocess on a free port, logging to a file."""
 
     def __init__(self, extra_args: tuple[str, ...] = SMALL_SERVER_ARGS,
-                 api_key: str | None = None, workdir: str | None = None) -> None:
+                 api_key: str | None = None, workdir: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="bastion-e2e-"))
-        self.runtime_base = self.workdir / "run"
-        self.runtime_base.mkdir(mode=0o700, exist_ok=True)
+        # NOTE: short on purpose: ipc:// socket paths must fit in 107 bytes (sun_path), and
+        # pytest's tmp_path plus bastion's socket names can exceed that.
+        self.runtime_base = Path(tempfile.mkdtemp(prefix="bx-", dir="/tmp"))
         self.log_path = self.workdir / "server.log"
+        # NOTE: the DP rendezvous port is fixed by default (29550); two servers on one host
+        # (this module's and the SIGKILL test's, or another suite's) would collide on it.
         cmd = [sys.executable, "-m", "bastion.procs.cli", "serve", "--port", str(self.port),
-               *extra_args]
+               "--data-parallel-rpc-port", str(free_port()), *extra_args]
         if api_key is not None:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_base)}
+        env = {**os.environ, **(env or {}), "XDG_RUNTIME_DIR": str(self.runtime_base)}
         env.pop("NOTIFY_SOCKET", None)
         env.pop("BASTION_API_KEY", None)
         self._log = open(self.log_path, "wb")
@@ -170,13 +175,21 @@ class ServerProcess:
 
     def kill_tree(self) -> None:
         """Last-resort cleanup: SIGKILL the server and anything left of its tree."""
-        for pid in [*descendants(self.pid), self.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        # NOTE: only while our child is unreaped: after that its pid may belong to a stranger.
         if self.proc.poll() is None:
+            for pid in descendants(self.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            self.proc.kill()
             self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
+        self.remove_runtime_base()
+
+    def remove_runtime_base(self) -> None:
+        shutil.rmtree(self.runtime_base, ignore_errors=True)
 
 
 def parse_json(body: bytes) -> dict:

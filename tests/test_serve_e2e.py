@@ -13,6 +13,7 @@ import time
 
 import openai
 import pytest
+import torch
 from serve_fixture import ServerProcess, bastion_titles, descendants, is_live
 
 from bastion import LLM, SamplingParams
@@ -30,9 +31,25 @@ MAX_TOKENS = 16
 EXPECTED_CHILDREN = {"bastion::engine-0", "bastion::worker-0-0"}
 
 
+# NOTE: one torch thread per process. On a small shared CPU, two OpenMP threads per process
+# competing with the other processes (API, engine, sentinel, this test) make every op wait at
+# barriers for a descheduled thread: a decode step measured 19x slower, long enough for the
+# sentinel to report a false hang.
+SERVER_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> None:
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    srv = ServerProcess(api_key=API_KEY, workdir=str(tmp_path_factory.mktemp("serve")))
+    srv = ServerProcess(api_key=API_KEY, workdir=str(tmp_path_factory.mktemp("serve")),
+                        env=SERVER_ENV)
     try:
         srv.wait_healthy(timeout_s=120)
         tree = descendants(srv.pid)
@@ -44,10 +61,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     yield srv
     # SIGTERM with nothing in flight: exit 0, no process left, runtime dir removed.
     code = srv.stop(signal.SIGTERM, timeout_s=60)
-    left = bastion_titles(tree)
+    left, runtime_dirs = bastion_titles(tree), srv.runtime_dirs()
+    srv.kill_tree()
     assert code == 0, srv.log_tail()
     assert not left, f"processes left after SIGTERM: {left}"
-    assert srv.runtime_dirs() == [], "runtime dir not removed"
+    assert runtime_dirs == [], f"runtime dir not removed: {runtime_dirs}"
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +276,7 @@ def test_disconnect_aborts_and_frees_blocks(client: openai.OpenAI, model_name: s
 
 @pytest.fixture
 def second_server(tmp_path) -> ServerProcess:
-    srv = ServerProcess(workdir=str(tmp_path))
+    srv = ServerProcess(workdir=str(tmp_path), env=SERVER_ENV)
     yield srv
     srv.kill_tree()
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from bastion import LLM, SamplingParams
+from bastion.core.cuda_graphs import DecodeInputs
 
 from tests.conftest import tiny_config
 
@@ -111,7 +111,7 @@ def count_graph_runs(llm: LLM) -> list[int]:
     calls: list[int] = []
     original = runner.graph_runner.run
 
-    def run(inputs):  # noqa: ANN001, ANN202
+    def run(inputs: DecodeInputs) -> torch.Tensor:
         calls.append(len(inputs.input_ids))
         return original(inputs)
 
@@ -200,8 +200,9 @@ def test_padded_decode_buffers_match_plain_path_cpu(tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path)
     prompts = make_prompts(hf.config.vocab_size, seed=1)
     ref_tokens, ref_lps = hf_greedy(hf, prompts, "cpu")
-    kwargs = dict(load_format="hf", dtype="float32", device="cpu", skip_tokenizer_init=True,
-                  max_model_len=512, max_num_seqs=16, block_size=4)
+    kwargs = {"load_format": "hf", "dtype": "float32", "device": "cpu",
+              "skip_tokenizer_init": True, "max_model_len": 512, "max_num_seqs": 16,
+              "block_size": 4}
     plain = LLM(str(tmp_path), **kwargs)
     plain_tokens, plain_lps = bastion_greedy(plain, prompts)
     padded = LLM(str(tmp_path), **kwargs)
