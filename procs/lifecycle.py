@@ -62,7 +62,8 @@ def die_with_parent(parent_pid: int) -> None:
 def make_runtime_dir() -> str:
     """A private (0700) directory for this server's ipc:// sockets."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and not os.access(base, os.W_OK):
+    # NOTE: a unix socket path is at most 107 bytes; our names add about 40 to the directory.
+    if base and (not os.access(base, os.W_OK) or len(base) > 60):
         base = None
     path = tempfile.mkdtemp(prefix="bastion-", dir=base)
     os.chmod(path, 0o700)

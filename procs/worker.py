@@ -56,8 +56,10 @@ class Worker:
     def _select_device(self) -> torch.device:
         if self.config.model.device != "cuda":
             # Workers of one host share its cores; oversubscribed threads slow every rank.
+            # NOTE: leave a core to the API, engine and sentinel processes: on a 2-core host two
+            # OpenMP threads per worker made a step ~20x slower once the API got busy.
             num_workers = self.config.parallel.world_size
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
+            torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // num_workers))
             return torch.device("cpu")
         tp_size = self.config.parallel.tensor_parallel_size
         index = (self.dp_rank * tp_size + self.rank) % torch.cuda.device_count()

@@ -85,10 +85,10 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     from bastion import LLM, SamplingParams
 
     max_len = max(len(p) for p in work.prompts) + max(work.max_tokens)
-    kwargs = dict(model=args.model, load_format=args.load_format, dtype=args.dtype,
-                  max_model_len=max(args.max_model_len or 0, max_len),
-                  max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+    kwargs = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype,
+              "max_model_len": max(args.max_model_len or 0, max_len),
+              "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.device:
         kwargs["device"] = args.device
     if args.kv_cache_memory_bytes:
@@ -113,10 +113,9 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
 
 
 def load_hf_model(args: argparse.Namespace, device: str, attn: str | None = None):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from bastion.core.config import parse_dtype
     from bastion.core.loader.embedded import embedded_gguf_path
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = parse_dtype(args.dtype, device)
     extra = {"attn_implementation": attn} if attn else {}
@@ -139,8 +138,8 @@ def run_hf_generate(args: argparse.Namespace, work: Workload, device: str) -> Re
     pad_id = 0
     max_new = max(work.max_tokens)
     batch_size = args.hf_batch_size or len(work.prompts)
-    sample = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 \
-        else dict(do_sample=False)
+    sample = ({"do_sample": True, "temperature": args.temperature} if args.temperature > 0
+              else {"do_sample": False})
 
     def generate(prompts: list[list[int]], num_new: int) -> torch.Tensor:
         width = max(len(p) for p in prompts)
@@ -160,8 +159,6 @@ def run_hf_generate(args: argparse.Namespace, work: Workload, device: str) -> Re
             assert out.shape[1] - max(len(p) for p in work.prompts[i:i + batch_size]) == max_new
         synchronize(device)
         seconds = time.perf_counter() - start
-    del model
-    gc.collect()
     return Result("HF generate", len(work.prompts), work.num_output_tokens, seconds)
 
 

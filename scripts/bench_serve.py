@@ -187,7 +187,7 @@ def launch_server(args: argparse.Namespace) -> subprocess.Popen:
            *shlex.split(args.server_args)]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
-    log = open(args.server_log, "wb")
+    log = open(args.server_log, "wb")  # noqa: SIM115 (the server writes it until stopped)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

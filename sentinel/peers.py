@@ -7,6 +7,7 @@ under different ``bastion serve`` processes, possibly on different nodes.
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
@@ -17,10 +18,13 @@ logger = logging.getLogger(__name__)
 
 
 class PeerLink:
-    def __init__(self, ctx: zmq.Context, rank: int, host: str, port: int) -> None:
+    def __init__(self, ctx: zmq.Context, rank: int, host: str, port: int, size: int) -> None:
         self.rank = rank
         self.is_coordinator = rank == 0
         self.identities: dict[int, bytes] = {}
+        self.socket = None
+        if size == 1:
+            return  # a group of one has no peers: bind nothing (no port to collide on)
         if self.is_coordinator:
             self.socket = ctx.socket(zmq.ROUTER)
             self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -48,6 +52,9 @@ class PeerLink:
 
     def receive(self, timeout_s: float) -> list[PeerMessage]:
         out = []
+        if self.socket is None:
+            time.sleep(timeout_s)
+            return out
         if not self.socket.poll(timeout_s * 1000):
             return out
         while self.socket.poll(0):
@@ -64,4 +71,5 @@ class PeerLink:
         return out
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        if self.socket is not None:
+            self.socket.close(linger=0)

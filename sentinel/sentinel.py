@@ -42,7 +42,8 @@ class Sentinel:
         self.api_cmd = ctx.socket(zmq.PULL)
         self.api_cmd.bind(addrs["cmd"])
         par = config.parallel
-        self.peers = PeerLink(ctx, self.rank, par.data_parallel_address, par.data_parallel_rpc_port)
+        self.peers = PeerLink(ctx, self.rank, par.data_parallel_address, par.data_parallel_rpc_port,
+                              par.data_parallel_size)
         self.coordinator = Coordinator(self) if self.rank == 0 else None
         self.fault_reported = False
         self.running = True

@@ -107,7 +107,7 @@ class ServerProcess:
         env = {**os.environ, **(env or {}), "XDG_RUNTIME_DIR": str(self.runtime_base)}
         env.pop("NOTIFY_SOCKET", None)
         env.pop("BASTION_API_KEY", None)
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open for the server's life)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL)
 

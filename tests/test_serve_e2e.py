@@ -14,9 +14,8 @@ import time
 import openai
 import pytest
 import torch
-from serve_fixture import ServerProcess, bastion_titles, descendants, is_live
-
 from bastion import LLM, SamplingParams
+from serve_fixture import ServerProcess, bastion_titles, descendants, is_live
 
 API_KEY = "e2e-secret"
 PROMPTS = [
@@ -259,9 +258,7 @@ def test_disconnect_aborts_and_frees_blocks(client: openai.OpenAI, model_name: s
                                             server: ServerProcess) -> None:
     stream = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=400,
                                        temperature=0, stream=True, extra_body=IGNORE_EOS)
-    num_chunks = 0
-    for _ in stream:
-        num_chunks += 1
+    for num_chunks, _ in enumerate(stream, 1):
         if num_chunks == 3:
             break
     busy = server.metrics()
