@@ -53,6 +53,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
+    enforce_eager: bool = False  # no CUDA graphs (debugging, or collectives graphs cannot hold)
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

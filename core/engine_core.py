@@ -47,8 +47,11 @@ class EngineCore:
         self.max_model_len = max_model_len
         start = time.perf_counter()
         bytes_per_block = executor.kv_cache_bytes_per_block()
-        num_blocks = compute_num_blocks(config, bytes_per_block,
-                                        executor.available_kv_cache_bytes(), max_model_len)
+        # A fixed pool size skips the profiling pass (a restarted engine reuses the size its
+        # first start measured: its workers cannot profile before they rejoin their groups).
+        available = (0 if config.cache.num_gpu_blocks_override is not None
+                     else executor.available_kv_cache_bytes())
+        num_blocks = compute_num_blocks(config, bytes_per_block, available, max_model_len)
         executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) in %.2f s", num_blocks,

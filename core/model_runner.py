@@ -69,8 +69,10 @@ class ModelRunner:
         # Built (and captured) with the KV cache on a GPU unless the model config asks for
         # eager mode; decode-only batches that fit a bucket replay a graph.
         self.graph_runner: CUDAGraphRunner | None = None
-        self.use_cuda_graphs = (self.device.type == "cuda"
-                                and not getattr(config.model, "enforce_eager", False))
+        # NOTE: expert parallelism exchanges per-rank token counts through the host, which a
+        # graph cannot hold; those runs stay eager.
+        self.use_cuda_graphs = (self.device.type == "cuda" and not config.model.enforce_eager
+                                and not config.parallel.enable_expert_parallel)
 
     # ------------------------------------------------------------------------- set-up
 

@@ -13,6 +13,7 @@ thread (``procs/engine_control.py``), so it is answered even while a step is stu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -294,6 +295,9 @@ def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
     resolved = resolve_model(config.model)
     max_model_len = get_max_model_len(resolved.hf_config, config.model.max_model_len)
     start_paused = info.addresses.get("start_paused") == "1"
+    if info.addresses.get("num_blocks"):
+        config = config.replace(cache=dataclasses.replace(
+            config.cache, num_gpu_blocks_override=int(info.addresses["num_blocks"])))
     executor = MultiprocExecutor(config, info.addresses["runtime_dir"], engine_id, epoch=epoch,
                                  defer_groups=start_paused)
     try:

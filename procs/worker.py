@@ -119,8 +119,11 @@ class Worker:
     # ------------------------------------------------------------------ worker calls
 
     def kv_info(self) -> dict[str, int]:
+        # NOTE: with a fixed pool size there is nothing to profile, and a restarted worker
+        # could not: its profiling forward would need the groups it rejoins only at recover.
+        fixed = self.config.cache.num_gpu_blocks_override is not None
         return {"bytes_per_block": self.runner.kv_cache_bytes_per_block(),
-                "available_bytes": self.runner.available_kv_cache_bytes()}
+                "available_bytes": 0 if fixed else self.runner.available_kv_cache_bytes()}
 
     def init_kv(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

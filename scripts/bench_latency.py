@@ -100,7 +100,8 @@ def latency(args: argparse.Namespace, dtype: torch.dtype) -> None:
     from bastion import LLM, SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-              skip_tokenizer_init=True, max_model_len=args.max_model_len)
+              skip_tokenizer_init=True, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(10000) for _ in range(args.input_len)]}
                for _ in range(args.batch_size)]
@@ -123,7 +124,8 @@ def latency(args: argparse.Namespace, dtype: torch.dtype) -> None:
                                [args.output_len] * args.batch_size, mb)
     bw = copy_bandwidth()
     mean = statistics.mean(times)
-    print(f"latency: batch {args.batch_size}, {args.input_len} in, {args.output_len} out, "
+    print(f"latency: TP={args.tensor_parallel_size}, batch {args.batch_size}, "
+          f"{args.input_len} in, {args.output_len} out, "
           f"{os.path.basename(args.model.rstrip('/'))} dummy {dtype}")
     print(f"  avg {mean * 1e3:.1f} ms per batch (median {statistics.median(times) * 1e3:.1f}, "
           f"min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}; {len(times)} iters)")
@@ -137,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)

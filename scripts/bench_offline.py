@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -112,6 +115,55 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     return Result("bastion LLM", len(work.prompts), num_tokens, seconds)
 
 
+def run_bastion_dp(args: argparse.Namespace, work: Workload) -> Result:
+    """Data parallel: one process per GPU, each with its own ``LLM`` and every N-th prompt;
+    all start generating together, the wall time is the slowest rank's."""
+    size = args.data_parallel_size
+    go = os.path.join(tempfile.mkdtemp(prefix="bench-dp-"), "go")
+    procs = []
+    for rank in range(size):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}
+        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--dp-rank", str(rank),
+               "--dp-go-file", go]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    ready = [p.stdout.readline() for p in procs]
+    assert all(line.startswith("READY") for line in ready), ready
+    open(go, "w").close()
+    results = [json.loads(p.stdout.read().strip().splitlines()[-1]) for p in procs]
+    for p in procs:
+        assert p.wait() == 0
+    start = min(r["start"] for r in results)
+    end = max(r["end"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    assert tokens == work.num_output_tokens, (tokens, work.num_output_tokens)
+    return Result(f"bastion LLM x DP={size}", len(work.prompts), tokens, end - start)
+
+
+def dp_rank_main(args: argparse.Namespace, work: Workload) -> None:
+    """A DP rank: load, say READY, wait for the go file, generate its share, print JSON."""
+    from bastion import LLM, SamplingParams
+
+    rank, size = args.dp_rank, args.data_parallel_size
+    prompts, max_tokens = work.prompts[rank::size], work.max_tokens[rank::size]
+    max_len = max(len(p) for p in work.prompts) + max(work.max_tokens)
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+              max_model_len=max(args.max_model_len or 0, max_len),
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              skip_tokenizer_init=args.load_format == "dummy")
+    llm.generate([list(range(1, 33))], SamplingParams(max_tokens=4))
+    print("READY", flush=True)
+    while not os.path.exists(args.dp_go_file):
+        time.sleep(0.001)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+              for n in max_tokens]
+    start = time.time()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    synchronize(llm.config.model.device)
+    end = time.time()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(json.dumps({"start": start, "end": end, "tokens": tokens}), flush=True)
+
+
 def load_hf_model(args: argparse.Namespace, device: str, attn: str | None = None):
     from bastion.core.config import parse_dtype
     from bastion.core.loader.embedded import embedded_gguf_path
@@ -162,17 +214,27 @@ def run_hf_generate(args: argparse.Namespace, work: Workload, device: str) -> Re
     return Result("HF generate", len(work.prompts), work.num_output_tokens, seconds)
 
 
+def paged_attention_name() -> str:
+    """transformers renamed its paged SDPA backend ("sdpa_paged" -> "paged|sdpa")."""
+    from transformers import AttentionInterface
+
+    names = set(AttentionInterface._global_mapping)
+    return next((n for n in ("paged|sdpa", "sdpa_paged", "paged|eager") if n in names),
+                "paged|sdpa")
+
+
 def run_hf_continuous(args: argparse.Namespace, work: Workload, device: str) -> Result:
     """transformers' own continuous batching (``init_continuous_batching``), EOS ignored."""
     from transformers import GenerationConfig
 
-    model = load_hf_model(args, device, attn="sdpa_paged")
+    model = load_hf_model(args, device, attn=paged_attention_name())
     if not hasattr(model, "continuous_batching_context_manager"):
         raise SystemExit("this transformers has no continuous batching API")
     config = GenerationConfig(max_new_tokens=max(work.max_tokens), do_sample=args.temperature > 0,
                               temperature=args.temperature or None, eos_token_id=-1,
                               pad_token_id=0)
-    with torch.inference_mode(), model.continuous_batching_context_manager(
+    # No inference_mode here: transformers' batching thread updates its buffers in place.
+    with torch.no_grad(), model.continuous_batching_context_manager(
             generation_config=config, block=True, timeout=30) as manager:
         synchronize(device)
         start = time.perf_counter()
@@ -228,6 +290,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="bastion only")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="one process per GPU, prompts split round-robin")
+    p.add_argument("--dp-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dp-go-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="HF generate batch size (default: all sequences in one batch)")
     p.add_argument("--hf-continuous-batching", action="store_true",
@@ -244,7 +310,13 @@ def main(argv: list[str] | None = None) -> int:
 
     device = args.device or default_device()
     torch.manual_seed(args.seed)
-    results = [run_bastion(args, work)]
+    if args.dp_rank is not None:
+        dp_rank_main(args, work)
+        return 0
+    if args.data_parallel_size > 1:
+        results = [run_bastion_dp(args, work)]
+    else:
+        results = [run_bastion(args, work)]
     if not args.skip_hf:
         run_hf = run_hf_continuous if args.hf_continuous_batching else run_hf_generate
         results.append(run_hf(args, work, device))

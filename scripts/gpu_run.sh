@@ -79,8 +79,29 @@ run_serve() {
   tail -n 5 "$slog"
   return $rc
 }
-export -f run_serve
-export PY OUT STAGE_LOGS SERVE_MODEL_ARGS
+# A DP=2 expert-parallel server on two GPUs (NCCL), then the fault drill against rank 1.
+run_ftdrill() {
+  local port=8012 slog=$STAGE_LOGS/ft_server.log
+  $PY -m bastion.procs.cli serve ${FT_MODEL_ARGS:-} --port $port --data-parallel-size 2 \
+    --enable-expert-parallel --enable-fault-injection --ft-hang-timeout-s 10 \
+    --max-model-len 1024 --data-parallel-rpc-port 29700 >"$slog" 2>&1 &
+  local pid=$!
+  for _ in $(seq 360); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.5
+  done
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || { tail -n 60 "$slog"; return 1; }
+  $PY scripts/ft_drill.py --base-url "http://127.0.0.1:$port" --engine 1 --num-requests 16 \
+    --max-tokens 128 --kinds raise worker_exit hang kill_worker kill_engine
+  local rc=$?
+  kill -TERM $pid 2>/dev/null
+  wait $pid
+  grep -E "coordinator|fault detected" "$slog" | tail -n 12
+  return $rc
+}
+export -f run_serve run_ftdrill
+export PY OUT STAGE_LOGS SERVE_MODEL_ARGS FT_MODEL_ARGS
 
 STAGES=${*:-tests offline floor latency kernels hf serve}
 nvidia-smi -L 2>&1 | tee -a "$LOG"
@@ -103,6 +124,14 @@ for s in $STAGES; do
       --temperature 0 --max-num-batched-tokens 16384 --hf-continuous-batching ;;
     latency) stage latency 150 'latency|avg|floor|Error' -- \
       $PY scripts/bench_latency.py --model $LLAMA ;;
+    dp) stage dp 150 'workload|bastion|Error|error' -- \
+      $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
+      --temperature 0 --max-num-batched-tokens 16384 --skip-hf --data-parallel-size 2 ;;
+    tp) stage tp 150 'latency|avg|floor|Error' -- \
+      $PY scripts/bench_latency.py --model $LLAMA --tensor-parallel-size 2 ;;
+    tpeager) stage tpeager 150 'latency|avg|floor|Error' -- \
+      $PY scripts/bench_latency.py --model $LLAMA --tensor-parallel-size 2 --enforce-eager ;;
+    ftdrill) stage ftdrill 200 'fault|raise|exit|hang|kill|Error' -- bash -c run_ftdrill ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac

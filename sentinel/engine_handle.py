@@ -36,6 +36,7 @@ class EngineHandle:
         self.last_reply: ControlReply | None = None
         self.last_reply_time = 0.0
         self.pending_faults: list[str] = []
+        self.num_blocks: int | None = None  # measured at the first start, reused on restarts
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -45,15 +46,17 @@ class EngineHandle:
             self.runtime_dir, f"engine{self.engine_id}-hs-{epoch}-{time.monotonic_ns()}"))
         addresses = {**self.api_addresses, "control": self.control_address,
                      "runtime_dir": self.runtime_dir, "epoch": str(epoch),
-                     "start_paused": "1" if start_paused else "0"}
+                     "start_paused": "1" if start_paused else "0",
+                     "num_blocks": str(self.num_blocks or "")}
         info = HandshakeInfo(encode_config(self.config), addresses, self.engine_id)
         self.child = spawn_child("engine", self.engine_id, f"bastion::engine-{self.engine_id}",
                                  handshake.address)
         self.peer_identity = None
         try:
-            handshake.run([self.child], {self.engine_id: info}, timeout_s)
+            ready = handshake.run([self.child], {self.engine_id: info}, timeout_s)
         finally:
             handshake.close()
+        self.num_blocks = self.num_blocks or ready[self.engine_id].info.get("num_blocks")
         self._await_identity(5.0)
         self.last_reply_time = time.monotonic()
 
