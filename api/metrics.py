@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from bastion.api.engine_protocol import EngineClient
 from bastion.core.output_processor import SeqDelta
-from bastion.ipc.messages import SchedulerStats
+from bastion.ipc.messages import EngineState, EngineStatus, SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -27,6 +27,20 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+_RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def fault_kind(info: str) -> str:
+    """A coarse label for a fault message (bounded label values for Prometheus)."""
+    text = info.lower()
+    for needle, kind in (("injected", "injected"), ("hang", "hang"),
+                         ("exited", "process_exit"), ("workerfailure", "worker_failure"),
+                         ("distributed", "collective"), ("timeout", "collective")):
+        if needle in text:
+            return kind
+    return "exception"
 
 
 class ApiMetrics:
@@ -64,8 +78,39 @@ class ApiMetrics:
                                           "Time between token deliveries.", buckets=_ITL_BUCKETS)
         self.e2e_request_latency = series(Histogram, "e2e_request_latency_seconds",
                                           "End-to-end request latency.", buckets=_E2E_BUCKETS)
+        self.engine_state = series(Gauge, "engine_state",
+                                   "Engine state: 0 starting, 1 healthy, 2 unhealthy, "
+                                   "3 recovering, 4 dead.", ("engine",))
+        self.faults = series(Counter, "engine_faults", "Faults of the engine group, by kind.",
+                             ("kind",))
+        self.recoveries = series(Counter, "engine_recoveries",
+                                 "Recoveries of the engine group, by action.", ("action",))
+        self.recovery_seconds = series(Histogram, "engine_recovery_seconds",
+                                       "From the fault being seen to the group healthy again.",
+                                       buckets=_RECOVERY_BUCKETS)
         self.model_name = model_name
         self._last_stats: dict[int, SchedulerStats] = {}
+        self._fault_seen_at: float | None = None
+        self._epoch = 0
+
+    def observe_statuses(self, statuses: list[EngineStatus]) -> None:
+        """Feed the fault-tolerance series from a status report of the engine group."""
+        m = self.model_name
+        for status in statuses:
+            self.engine_state.labels(m, str(status.engine_id)).set(int(status.state))
+        healthy = all(s.state == EngineState.HEALTHY for s in statuses)
+        if not healthy and self._fault_seen_at is None:
+            self._fault_seen_at = time.monotonic()
+            info = " ".join(s.fault_info or "" for s in statuses)
+            self.faults.labels(m, fault_kind(info)).inc()
+        epoch = max((s.epoch for s in statuses), default=0)
+        if healthy and self._fault_seen_at is not None and epoch != self._epoch:
+            action = statuses[0].last_action or "unknown"
+            self.recoveries.labels(m, action).inc()
+            self.recovery_seconds.labels(m).observe(time.monotonic() - self._fault_seen_at)
+            self._fault_seen_at = None
+        if healthy:
+            self._epoch = epoch
 
     def observe_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
         """Add one engine report's per-step counters; a report already seen is skipped.

@@ -112,7 +112,8 @@ class AsyncEngineClient:
         self._statuses = [EngineStatus(i, EngineState.STARTING) for i in range(self.dp_size)]
         self.epoch = 0
         self.fatal: str | None = None
-        self.on_stats = None  # called with (engine_id, stats) on every report (metrics)
+        self.on_stats = None  # called with (engine index, stats) on every report (metrics)
+        self.on_status = None  # called with the statuses on every status report (metrics)
         self.sentinels: dict[int, Child] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -244,7 +245,7 @@ class AsyncEngineClient:
         if outs.stats is not None and outs.engine_id in self._stats:
             self._stats[outs.engine_id] = outs.stats
             if self.on_stats is not None:
-                self.on_stats(outs.engine_id, outs.stats)
+                self.on_stats(self.engine_ids.index(outs.engine_id), outs.stats)
         to_abort: list[str] = []
         for out in outs.outputs:
             seq = self._by_engine_id.get(out.request_id)
@@ -281,6 +282,8 @@ class AsyncEngineClient:
     def _on_status(self, msg: PeerMessage) -> None:
         was_ready = self.is_ready()
         self._statuses = list(msg.statuses)
+        if self.on_status is not None:
+            self.on_status(self._statuses)
         if was_ready and not self.is_ready():
             logger.warning("engines unhealthy: %s",
                            "; ".join(s.fault_info or "" for s in msg.statuses if s.fault_info))

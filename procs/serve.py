@@ -145,6 +145,7 @@ class Server:
         from bastion.api.server import METRICS_KEY
 
         client.on_stats = app[METRICS_KEY].observe_scheduler_stats
+        client.on_status = app[METRICS_KEY].observe_statuses
         return app
 
     def _phase(self, client: AsyncEngineClient) -> str:

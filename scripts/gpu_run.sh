@@ -57,6 +57,16 @@ stage() {
   } >>"$SUMMARY"
 }
 
+# wait_healthy PORT PID TRIES: poll /health every 0.5 s; fail (with the log) if it never answers.
+wait_healthy() {
+  for _ in $(seq "$3"); do
+    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
+    kill -0 "$2" 2>/dev/null || break
+    sleep 0.5
+  done
+  return 1
+}
+
 run_serve() {
   local port=8011 slog=$STAGE_LOGS/server.log
   # SERVE_MODEL_ARGS: e.g. "path/to/folder --load-format dummy" (a config.json and tokenizer
@@ -64,11 +74,7 @@ run_serve() {
   $PY -m bastion.procs.cli serve ${SERVE_MODEL_ARGS:-} --port $port --max-model-len 2048 \
     --max-num-batched-tokens 16384 >"$slog" 2>&1 &
   local pid=$!
-  for _ in $(seq 240); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-    kill -0 $pid 2>/dev/null || break
-    sleep 0.5
-  done
+  wait_healthy $port $pid 240 || { tail -n 60 "$slog"; return 1; }
   local rc=0
   for rate in inf 50 100; do
     $PY scripts/bench_serve.py --base-url "http://127.0.0.1:$port" --num-prompts 1000 \
@@ -86,12 +92,7 @@ run_ftdrill() {
     --enable-expert-parallel --enable-fault-injection --ft-hang-timeout-s 10 \
     --max-model-len 1024 --data-parallel-rpc-port 29700 >"$slog" 2>&1 &
   local pid=$!
-  for _ in $(seq 360); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-    kill -0 $pid 2>/dev/null || break
-    sleep 0.5
-  done
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || { tail -n 60 "$slog"; return 1; }
+  wait_healthy $port $pid 360 || { tail -n 60 "$slog"; return 1; }
   $PY scripts/ft_drill.py --base-url "http://127.0.0.1:$port" --engine 1 --num-requests 16 \
     --max-tokens 128 --kinds raise worker_exit hang kill_worker kill_engine
   local rc=$?
@@ -100,7 +101,7 @@ run_ftdrill() {
   grep -E "coordinator|fault detected" "$slog" | tail -n 12
   return $rc
 }
-export -f run_serve run_ftdrill
+export -f wait_healthy run_serve run_ftdrill
 export PY OUT STAGE_LOGS SERVE_MODEL_ARGS FT_MODEL_ARGS
 
 STAGES=${*:-tests offline floor latency kernels hf serve}

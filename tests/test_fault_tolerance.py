@@ -198,10 +198,17 @@ def test_fault_during_recovery_is_handled(auto_server, reference):
     assert out["after"] == reference[PROMPTS[2]]
 
 
-def test_no_kv_block_leaks_after_faults(auto_server):
+def test_no_kv_block_leaks_and_fault_series_after_faults(auto_server):
     metrics = auto_server.metrics()
     assert metrics["bastion:num_requests_running"] == 0
     assert metrics["bastion:kv_cache_usage_perc"] == 0
+    assert metrics["bastion:engine_state"] == 1  # healthy
+    assert metrics["bastion:engine_recovery_seconds_count"] >= 5
+    code, body = auto_server.get("/metrics")
+    text = body.decode()
+    for kind in ("injected", "process_exit", "hang"):
+        assert f'bastion:engine_faults_total{{kind="{kind}"' in text, kind
+    assert 'bastion:engine_recoveries_total{action="auto-reinit"' in text
 
 
 def test_manual_mode_status_then_one_apply_recovers(moe_folder):

@@ -17,9 +17,10 @@ from bastion.core.config import ConfigError, ModelConfig
 from bastion.core.loader.dummy import init_dummy_weights
 from bastion.core.loader.embedded import embedded_gguf_path
 from bastion.core.loader.gguf_loader import ensure_converted, is_gguf_file
-from bastion.core.loader.hf_loader import iter_safetensors, load_hf_config
+from bastion.core.loader.hf_loader import count_safetensors, iter_safetensors, load_hf_config
 from bastion.core.loader.tokenizer import load_tokenizer_from
 from bastion.core.models.registry import get_model_class
+from bastion.procs.logs import progress
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -70,7 +71,10 @@ def load_model(model_config: ModelConfig, resolved: ResolvedModel) -> nn.Module:
     if resolved.format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iter_safetensors(weights_folder(resolved)))
+        folder = weights_folder(resolved)
+        # A bar on a terminal, three plain log lines under journald.
+        model.load_weights(progress(iter_safetensors(folder), count_safetensors(folder),
+                                    "loading weights"))
     model.eval().requires_grad_(False)
     logger.info("loaded %s (%s, %s) on %s in %.1f s", os.path.basename(resolved.path),
                 resolved.format, model_config.torch_dtype, device, time.perf_counter() - start)

@@ -21,6 +21,17 @@ def load_hf_config(folder: str | Path, overrides: dict[str, Any] | None = None
     return config
 
 
+def count_safetensors(folder: str | Path) -> int:
+    """How many tensors ``iter_safetensors`` will yield (headers only, no data read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            total += len(list(f.keys()))  # noqa: SIM118 (safe_open is not a dict)
+    return total
+
+
 def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every ``*.safetensors`` file in ``folder``, on the CPU."""
     from safetensors import safe_open
