@@ -113,26 +113,24 @@ class EngineProc:
         return self.core.has_unfinished_requests or bool(self.core.scheduler.rejected)
 
     def _drain_inputs(self) -> None:
+        """Handle every queued message. Block for the first only when there is nothing to do;
+        an idle engine of a coupled group waits briefly, since the group steps in rounds."""
         if not self.health.is_running or not (self._has_work or self.is_coupled):
-            timeout = 1.0  # idle: block until something arrives
-        elif self._has_work:
-            timeout = 0.0
+            wait: float | None = None
         else:
-            timeout = 0.002  # idle but coupled: the group steps in rounds
-        while True:
+            wait = 0.0 if self._has_work else 0.002
+        while self.running:
             try:
-                kind, msg = (self.inputs.get(timeout=timeout) if timeout
-                             else self.inputs.get_nowait())
+                if wait is None:
+                    kind, msg = self.inputs.get()
+                elif wait > 0:
+                    kind, msg = self.inputs.get(timeout=wait)
+                else:
+                    kind, msg = self.inputs.get_nowait()
             except queue.Empty:
-                if timeout == 1.0 and not self.health.is_running and self.running:
-                    continue
-                if timeout == 1.0 and not self._has_work and not self.is_coupled:
-                    continue
                 return
             self._handle(kind, msg)
-            timeout = 0.0
-            if not self.running:
-                return
+            wait = 0.0
 
     def _step(self) -> None:
         if self.injected is not None:

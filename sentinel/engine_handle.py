@@ -136,6 +136,14 @@ class EngineHandle:
         if self.peer_identity is not None and self.is_alive():
             self._send(ControlRequest(next(self._seq), "heartbeat"))
 
+    def busy_for(self) -> float:
+        """How long the engine has been inside one step, by its last heartbeat."""
+        reply = self.last_reply
+        if reply is None:
+            return 0.0
+        return reply.busy_for_s + (time.monotonic() - self.last_reply_time
+                                   if reply.busy_for_s > 0 else 0.0)
+
     def check(self, hang_timeout_s: float) -> str | None:
         """A fault, if one is visible: a dead process, a report, or a hang."""
         if self.child is not None and not self.child.is_alive():

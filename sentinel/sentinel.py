@@ -24,6 +24,7 @@ from bastion.sentinel.peers import PeerLink
 logger = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 0.25
+_STUCK_S = 2.0
 
 
 class Sentinel:
@@ -140,7 +141,10 @@ class Sentinel:
     def prepare_local(self, instruction: str, epoch: int) -> tuple[bool, str | None]:
         """Pause the engine; for reinit, restart it if it is dead, hung or cannot pause."""
         try:
-            if self.engine.is_alive():
+            # NOTE: an engine already stuck in one step for seconds (a hang, or a collective
+            # waiting on a dead peer) cannot obey a pause; under reinit, restart it at once.
+            stuck = self.engine.busy_for() >= _STUCK_S
+            if self.engine.is_alive() and not (stuck and instruction == "reinit"):
                 try:
                     self.engine.command("pause", min(10.0, self.ft.ft_hang_timeout_s))
                     return True, None

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import urllib.request
 
 import pytest
 from serve_fixture import ServerProcess
@@ -82,6 +81,45 @@ def test_external_dp_each_rank_serves_and_idle_rank_runs_dummy_batches(moe_folde
             engines = json.loads(body)["engines"]
             assert [e["state"] for e in engines] == ["healthy", "healthy"]
         # Rank 0 hosts the coordinator; stopping it first leaves rank 1 to drain on its own.
+        assert rank0.stop() == 0
+        assert rank1.stop() == 0
+    finally:
+        rank1.kill_tree()
+        rank0.kill_tree()
+
+
+def test_external_dp_one_apply_on_any_rank_recovers_the_whole_group(moe_folder,  # noqa: F811
+                                                                   offline_greedy):
+    from test_fault_tolerance import status, wait_for
+
+    port = random.randrange(20000, 40000, 50)
+    manual = ("--no-ft-auto-recovery", "--enable-fault-injection")
+    rank0 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "0", *manual))
+    rank1 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "1", *manual))
+    try:
+        rank0.wait_healthy(240)
+        rank1.wait_healthy(240)
+        code, _ = post(rank1, "/fault_tolerance/inject", {"kind": "raise", "engine": 1})
+        assert code == 200
+        code, body = post(rank1, "/fault_tolerance/inject", {"kind": "raise", "engine": 0})
+        assert code == 400  # rank 1's server does not own engine 0
+        for server in (rank0, rank1):
+            wait_for(lambda s=server: status(s)[1]["state"] == "unhealthy", 30, "the fault")
+        # Requests sent while the group is down wait for it instead of failing.
+        results: dict[str, str] = {}
+        threads = [threading.Thread(target=lambda s=s, p=p: results.__setitem__(p, complete(s, p)))
+                   for s, p in ((rank0, PROMPTS[0]), (rank1, PROMPTS[1]))]
+        for t in threads:
+            t.start()
+        code, body = post(rank1, "/fault_tolerance/apply", {"instruction": "retry"})
+        assert code == 202
+        for t in threads:
+            t.join(120)
+        assert results == {p: offline_greedy[p] for p in PROMPTS[:2]}
+        for server in (rank0, rank1):
+            engines = status(server)
+            assert [e["state"] for e in engines] == ["healthy", "healthy"]
+            assert engines[0]["last_action_id"] == body["request_id"]
         assert rank0.stop() == 0
         assert rank1.stop() == 0
     finally:
