@@ -60,8 +60,7 @@ class EngineProc:
         self.health = EngineHealth()
         self.dp_group = None  # the engines' CPU group, when the DP group is coupled (MoE + EP)
         self.injected: str | None = None
-        self.is_coupled = (config.parallel.data_parallel_size > 1
-                           and config.parallel.enable_expert_parallel)
+        self.is_coupled = core.is_coupled  # MoE + EP over DP: the engines step together
         threading.Thread(target=self._input_thread, args=(ctx, addresses["input"]),
                          daemon=True, name="engine-input").start()
         threading.Thread(target=self._output_thread, args=(ctx, addresses["output"]),
