@@ -206,13 +206,10 @@ class AsyncEngineClient:
     def _abort_stream(self, stream: _Stream) -> None:
         by_engine: dict[int, list[str]] = {}
         for seq in stream.seqs:
-            if self._open.pop(seq.child_id, None) is None:
+            if seq.child_id not in self._open:
                 continue
             self.processor.remove(seq.child_id)
-            if seq in self._held:
-                self._held.remove(seq)
-            if self._by_engine_id.pop(seq.engine_request_id, None) is not None:
-                self._inflight[seq.engine_id] -= 1
+            if self._close(seq):
                 by_engine.setdefault(seq.engine_id, []).append(seq.engine_request_id)
         self._streams.pop(stream.request_id, None)
         for engine_id, ids in by_engine.items():
@@ -226,12 +223,19 @@ class AsyncEngineClient:
         if delta is not None:
             seq.stream.queue.put_nowait(delta)
 
-    def _close(self, seq: _Seq) -> None:
+    def _close(self, seq: _Seq) -> bool:
+        """Stop tracking a sequence; True when an engine still had it (to abort there)."""
         self._open.pop(seq.child_id, None)
         if seq in self._held:
             self._held.remove(seq)
-        if self._by_engine_id.pop(seq.engine_request_id, None) is not None:
-            self._inflight[seq.engine_id] -= 1
+        return self._detach(seq)
+
+    def _detach(self, seq: _Seq) -> bool:
+        """Forget the engine-side request of a sequence (its outputs become stale)."""
+        if self._by_engine_id.pop(seq.engine_request_id, None) is None:
+            return False
+        self._inflight[seq.engine_id] -= 1
+        return True
 
     # ------------------------------------------------------------------------------ outputs
 
@@ -302,8 +306,7 @@ class AsyncEngineClient:
                            epoch, len(resubmit))
             self.epoch = epoch
             for seq in resubmit:
-                if self._by_engine_id.pop(seq.engine_request_id, None) is not None:
-                    self._inflight[seq.engine_id] -= 1
+                self._detach(seq)
             for engine_id in self.engine_ids:
                 self._stats[engine_id] = SchedulerStats()
         else:

@@ -86,10 +86,6 @@ class Child:
     title: str
     proc: subprocess.Popen
 
-    @property
-    def name(self) -> str:
-        return self.title
-
     def is_alive(self) -> bool:
         return self.proc.poll() is None
 

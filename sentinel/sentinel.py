@@ -16,7 +16,7 @@ import zmq
 
 from bastion.core.config import EngineConfig
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import HandshakeInfo, PeerMessage, Ready
+from bastion.ipc.messages import EngineState, HandshakeInfo, PeerMessage, Ready
 from bastion.sentinel.coordinator import Coordinator
 from bastion.sentinel.engine_handle import EngineHandle
 from bastion.sentinel.peers import PeerLink
@@ -129,8 +129,6 @@ class Sentinel:
 
     def publish(self, msg: PeerMessage) -> None:
         """Forward the group's status to this sentinel's API process."""
-        from bastion.ipc.messages import EngineState
-
         if msg.kind == "status" and all(s.state == EngineState.HEALTHY for s in msg.statuses):
             self.fault_reported = False
             self.engine.pending_faults.clear()
