@@ -102,7 +102,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
-    async_scheduling: bool = False
+    async_scheduling: bool = True  # schedule step N+1 while step N runs (off: --no-async-scheduling)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -45,6 +45,19 @@ class DecodeInputs(NamedTuple):
     positions: np.ndarray  # int64 [b]: position of the new token (= tokens already cached)
     slot_mapping: np.ndarray  # int64 [b]
     block_tables: np.ndarray  # int32 [b, w], w <= max_blocks_per_seq
+    # Row of the previous step's sampled tokens that holds this row's input (its token was
+    # still on the device when the step was prepared), or -1 when ``input_ids`` has it.
+    pending_rows: np.ndarray | None = None  # int64 [b]
+
+
+class _HostStaging:
+    """One set of (pinned) host buffers a step is written into before its copies."""
+
+    def __init__(self, n: int, max_blocks_per_seq: int, pin: bool) -> None:
+        self.i64 = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
+        self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin)
+        self.bt = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.copied: torch.cuda.Event | None = None  # recorded after the copies that read it
 
 
 class CUDAGraphRunner:
@@ -66,11 +79,12 @@ class CUDAGraphRunner:
         n = self.max_num_seqs
         pin = device.type == "cuda"
         # Packed so that one step needs three host-to-device copies: int64 rows (ids, positions,
-        # slots), int32 (seq_lens then query_start_loc) and the block table.
-        self._host_i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)
-        self._host_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin)
-        self._host_bt = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
-        self._dev_i64 = torch.zeros((3, n), dtype=torch.int64, device=device)
+        # slots, rows of in-flight tokens), int32 (seq_lens then query_start_loc) and the block
+        # table. Two sets of host buffers alternate: with async scheduling a step is staged
+        # while the previous one's copies may still be queued behind the step before it.
+        self._host = [_HostStaging(n, max_blocks_per_seq, pin) for _ in range(2)]
+        self._num_staged = 0
+        self._dev_i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
         self._dev_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self._dev_bt = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -120,29 +134,42 @@ class CUDAGraphRunner:
     def _stage(self, inputs: DecodeInputs, size: int) -> None:
         """Write one step (padded to ``size``) into pinned memory, then copy it over.
 
-        NOTE: the staging buffers are reused every step. That is safe because the caller waits
-        for the step's sampled tokens (a sync that follows these copies on the stream) before
-        it stages the next step.
+        A host buffer set is rewritten only after the copies that last read it have run (an
+        event recorded behind them), so a step may be staged while earlier ones are queued.
         """
+        host = self._host[self._num_staged % 2]
+        self._num_staged += 1
+        if host.copied is not None:
+            host.copied.synchronize()
         b = len(inputs.input_ids)
         n = self.max_num_seqs
-        i64 = self._host_i64.numpy()
+        i64 = host.i64.numpy()
         i64[0, :b], i64[1, :b], i64[2, :b] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        i64[3, :b] = -1 if inputs.pending_rows is None else inputs.pending_rows
         i64[0:2, b:size] = 0
-        i64[2, b:size] = -1
-        i32 = self._host_i32.numpy()
+        i64[2:4, b:size] = -1
+        i32 = host.i32.numpy()
         i32[:b] = inputs.positions + 1
         i32[b:size] = 0
         i32[n:n + b + 1] = np.arange(b + 1, dtype=np.int32)
         i32[n + b + 1:n + size + 1] = b
         width = inputs.block_tables.shape[1]
-        bt = self._host_bt[:b * width].view(b, width)
+        bt = host.bt[:b * width].view(b, width)
         bt.numpy()[:] = inputs.block_tables
-        self._dev_i64[:, :size].copy_(self._host_i64[:, :size], non_blocking=True)
-        self._dev_i32.copy_(self._host_i32, non_blocking=True)
+        self._dev_i64[:, :size].copy_(host.i64[:, :size], non_blocking=True)
+        self._dev_i32.copy_(host.i32, non_blocking=True)
         # Rows past ``b`` keep stale ids: their sequences are empty, so nothing reads them.
         staged = bt.to(self.device, non_blocking=True)
         self._dev_bt[:b, :width].copy_(staged, non_blocking=True)
+        if self.device.type == "cuda":
+            host.copied = torch.cuda.Event()
+            host.copied.record()
+
+    def _patch_pending(self, b: int, prev: torch.Tensor) -> None:
+        """Input ids of rows whose token the previous step sampled, read on the device."""
+        rows = self._dev_i64[3, :b]
+        ids = self._dev_i64[0, :b]
+        ids.copy_(torch.where(rows >= 0, prev[rows.clamp(min=0)], ids))
 
     # ------------------------------------------------------------------------- run
 
@@ -177,8 +204,9 @@ class CUDAGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.2f s",
                     len(self.graphs), self.capture_sizes[0], n, time.perf_counter() - start)
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Hidden states [b, H] of one decode step (graph replay when captured)."""
+    def run(self, inputs: DecodeInputs, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [b, H] of one decode step (graph replay when captured). ``prev``:
+        the previous step's sampled tokens, which rows with ``pending_rows >= 0`` read."""
         b = len(inputs.input_ids)
         size = self.bucket(b)
         if size is None or inputs.block_tables.shape[1] > self.max_blocks_per_seq:
@@ -186,6 +214,8 @@ class CUDAGraphRunner:
                              f"blocks exceeds the captured {self.max_num_seqs} x "
                              f"{self.max_blocks_per_seq}")
         self._stage(inputs, size)
+        if inputs.pending_rows is not None and prev is not None:
+            self._patch_pending(b, prev)
         graph = self.graphs.get(size)
         if graph is not None:
             graph.replay()

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from bastion.core.config import ConfigError, EngineConfig
-from bastion.core.executor import Executor
+from bastion.core.executor import Executor, StepResult
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
-from bastion.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from bastion.ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
         par = config.parallel
         self.is_coupled = par.data_parallel_size > 1 and par.enable_expert_parallel
+        # NOTE: a coupled group's engines must run the same number of forwards (their expert
+        # collectives pair up), which a step queue that drains at different times would break.
+        self.async_scheduling = config.scheduler.async_scheduling and not self.is_coupled
+        # Steps launched and not yet folded into the scheduler, oldest first (at most two).
+        self.inflight: deque[tuple[SchedulerOutput, StepResult]] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_request(request))
@@ -69,25 +80,49 @@ class EngineCore:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        return self.scheduler.has_unfinished_requests or bool(self.inflight)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, execute, update: one batch through the model."""
-        if not self.scheduler.has_unfinished_requests:
+        """Schedule, execute, update: one batch through the model.
+
+        With async scheduling the step launched here is not waited for: the previous step's
+        tokens are folded in instead, so scheduling step N+1 (and the caller's handling of
+        step N's outputs) overlaps step N on the device.
+        """
+        if self.async_scheduling:
+            outputs = self._step_async()
+        elif not self.scheduler.has_unfinished_requests:
             outputs = self.scheduler.take_rejected()
         else:
-            sched = self.scheduler.schedule()
-            # NOTE: in a coupled (expert-parallel) DP group every engine must run a forward
-            # each step; one that scheduled nothing (pool full) runs a dummy one.
-            sched.is_dummy = self.is_coupled and not sched.num_scheduled_tokens
-            result = self.executor.execute_model(sched)
-            outputs = self.scheduler.update_from_output(sched, result)
+            sched = self._schedule()
+            result = self.executor.execute_model_async(sched)
+            outputs = self.scheduler.update_from_output(sched, result.output())
         return EngineCoreOutputs(self.engine_id, outputs, self.scheduler.make_stats(),
                                  time.time())
+
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        # NOTE: in a coupled (expert-parallel) DP group every engine must run a forward each
+        # step; one that scheduled nothing (pool full) runs a dummy one.
+        sched.is_dummy = self.is_coupled and not sched.num_scheduled_tokens
+        return sched
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        launched = False
+        if self.scheduler.has_unfinished_requests and len(self.inflight) < 2:
+            sched = self._schedule()
+            if sched.num_scheduled_tokens or sched.finished_request_ids:
+                self.inflight.append((sched, self.executor.execute_model_async(sched)))
+                launched = True
+        if not self.inflight or (launched and len(self.inflight) < 2):
+            return self.scheduler.take_rejected()  # keep one step queued behind the device
+        sched, result = self.inflight.popleft()
+        return self.scheduler.update_from_output(sched, result.output())
 
     def drop_all_requests(self) -> None:
         """Forget every request and all KV state, with no outputs (fault recovery: the front
         end holds the requests and resubmits them with the tokens already produced)."""
+        self.inflight.clear()
         self.scheduler.drop_all()
 
     def shutdown(self) -> None:

@@ -13,6 +13,12 @@ from bastion.core.model_runner import ModelRunner
 from bastion.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 
+class StepResult(Protocol):
+    """A launched step; ``output()`` waits for its sampled tokens."""
+
+    def output(self) -> ModelRunnerOutput: ...
+
+
 class Executor(Protocol):
     def kv_cache_bytes_per_block(self) -> int: ...
 
@@ -20,7 +26,7 @@ class Executor(Protocol):
 
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model_async(self, sched: SchedulerOutput) -> StepResult: ...
 
     def reset(self) -> None: ...
 
@@ -41,8 +47,8 @@ class UniProcExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(sched)
+    def execute_model_async(self, sched: SchedulerOutput) -> StepResult:
+        return self.runner.execute_model_async(sched)
 
     def reset(self) -> None:
         self.runner.reset()

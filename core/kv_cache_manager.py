@@ -31,6 +31,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix index, so a decode
+        # step indexes only the block it just filled instead of walking the whole table.
+        self.num_indexed_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which served from the cache
 
@@ -85,6 +88,9 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + (computed.num_tokens if computed else 0)
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_needed - len(blocks) - len(hits)
+        if num_new_blocks <= 0 and not hits:  # the common decode step: room in the last block
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+            return []
         # Free hits are about to be taken out of the free queue: they cannot also be allocated.
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
@@ -104,14 +110,22 @@ class KVCacheManager:
         # attention read, so the content is there when it is read.
         if not self.enable_caching:
             return
+        num_full = num_tokens // self.block_size
+        start = self.num_indexed_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
         self._update_hashes(request)
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(num_full):
+        # NOTE: a block holding a token not sampled yet (async scheduling) has no hash until
+        # the token arrives; it is indexed by a later step.
+        num_full = min(num_full, len(request.block_hashes))
+        for i in range(start, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_indexed_blocks[request.request_id] = max(num_full, start)
 
     def free(self, request: Request) -> None:
         """Return a request's blocks, tail first, so its prefix is evicted last."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_indexed_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def reset(self) -> None:
@@ -119,4 +133,5 @@ class KVCacheManager:
         for blocks in self.req_blocks.values():
             self.pool.free(reversed(blocks))
         self.req_blocks.clear()
+        self.num_indexed_blocks.clear()
         self.pool.reset_prefix_cache()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +41,18 @@ class CachedRequestState:
     # Greedy with nothing that changes the logits (no penalties, min_tokens or logprobs): the
     # token is the plain argmax, so an all-such batch skips building sampling metadata.
     is_plain_greedy: bool = False
+    # Its sampling reads the tokens generated so far (penalties, min_tokens), so a step cannot
+    # be prepared while its previous token is still on the device.
+    needs_output_ids: bool = False
+    # Tokens sampled by the latest step that is still in flight (0 or 1); its value is row
+    # ``pending_row`` of that step's sampled-token tensor on the device.
+    num_pending: int = 0
+    pending_row: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + outputs, counting the token still in flight."""
+        return len(self.token_ids) + self.num_pending
 
     def append_blocks(self, new_block_ids: list[int]) -> None:
         self.block_ids.extend(new_block_ids)
@@ -51,10 +65,70 @@ class CachedRequestState:
         self.num_blocks = end
 
 
+def _needs_output_ids(params: SamplingParams) -> bool:
+    return (params.min_tokens > 0 or params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
+
+
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    return (params.is_greedy and params.logprobs is None and params.min_tokens == 0
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0)
+    return params.is_greedy and params.logprobs is None and not _needs_output_ids(params)
+
+
+class StepHandle:
+    """One launched step's sampled tokens, on their way to the host.
+
+    The tokens (and logprobs) are copied into pinned host memory without blocking and an event
+    is recorded after the copies; ``output()`` waits on that event only. So the caller can
+    prepare and launch the next step before this one's tokens exist (async scheduling).
+    ``output()`` may be called from another thread (a worker's sender); it touches no runner
+    state.
+    """
+
+    def __init__(self, step_id: int, states: list[CachedRequestState] | None = None,
+                 out: SamplerOutput | None = None) -> None:
+        self.step_id = step_id
+        self.states = states or []
+        self.sampled = None if out is None else out.sampled_token_ids  # stays on the device
+        self._event = None
+        self._output: ModelRunnerOutput | None = None
+        self._lock = threading.Lock()
+        if out is None:
+            self._host = None
+            self._output = ModelRunnerOutput(step_id=step_id)
+            return
+        tensors = [out.sampled_token_ids]
+        if out.logprobs is not None:
+            tensors.extend(out.logprobs)
+        if out.sampled_token_ids.is_cuda:
+            self._host = [t.to("cpu", non_blocking=True) for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+
+    def token_ids(self) -> list[int]:
+        return self.output().sampled_token_ids
+
+    def output(self) -> ModelRunnerOutput:
+        with self._lock:
+            if self._output is None:
+                if self._event is not None:
+                    self._event.synchronize()
+                self._output = self._build_output()
+                self._host = None
+            return self._output
+
+    def _build_output(self) -> ModelRunnerOutput:
+        token_ids = self._host[0].tolist()
+        logprobs: list[Logprobs | None] = [None] * len(self.states)
+        if len(self._host) > 1:
+            ids, lps, ranks = (t.tolist() for t in self._host[1:])
+            for i, state in enumerate(self.states):
+                k = state.params.logprobs
+                if k is not None:
+                    logprobs[i] = Logprobs([ids[i][:k + 1]], [lps[i][:k + 1]], [ranks[i]])
+        return ModelRunnerOutput([s.request_id for s in self.states], token_ids, logprobs,
+                                 self.step_id)
 
 
 class ModelRunner:
@@ -73,6 +147,9 @@ class ModelRunner:
         # graph cannot hold; those runs stay eager.
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.model.enforce_eager
                                 and not config.parallel.enable_expert_parallel)
+        # Steps whose tokens this runner has not folded into its request state yet, oldest
+        # first; all but the newest are folded in at the start of each step.
+        self.inflight: deque[StepHandle] = deque()
 
     # ------------------------------------------------------------------------- set-up
 
@@ -150,6 +227,17 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget all per-request state (fault recovery)."""
         self.requests.clear()
+        self.inflight.clear()
+
+    def _fold_tokens(self, keep: int) -> None:
+        """Append the sampled tokens of all in-flight steps but the newest ``keep`` to their
+        requests' host state (waiting for them if needed)."""
+        while len(self.inflight) > keep:
+            handle = self.inflight.popleft()
+            for state, token_id in zip(handle.states, handle.token_ids()):
+                state.output_token_ids.append(token_id)
+                state.token_ids.append(token_id)
+                state.num_pending -= 1
 
     # ------------------------------------------------------------------------- one step
 
@@ -164,35 +252,56 @@ class ModelRunner:
                 new.request_id, new.prompt_token_ids, new.sampling_params, [],
                 new.num_computed_tokens, list(new.output_token_ids),
                 new.prompt_token_ids + new.output_token_ids, generator, new.eos_token_id,
-                is_plain_greedy=_is_plain_greedy(new.sampling_params))
+                is_plain_greedy=_is_plain_greedy(new.sampling_params),
+                needs_output_ids=_needs_output_ids(new.sampling_params))
             state.append_blocks(new.block_ids)
             self.requests[new.request_id] = state
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
-            state.append_blocks(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.append_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.execute_model_async(sched).output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+        """Launch one step; its tokens stay on the device until the handle is asked.
+
+        A request whose previous token is still in flight (the step before this one) reads it
+        from that step's sampled tensor on the device, so this step queues behind it on the
+        stream without the host ever waiting for it.
+        """
+        self._fold_tokens(keep=1)
         self._apply_delta(sched)
         if not sched.num_scheduled_tokens:
             if sched.is_dummy:
                 self._dummy_run()
-            return ModelRunnerOutput(step_id=sched.step_id)
+            return StepHandle(sched.step_id)
+        prev = self.inflight[-1].sampled if self.inflight else None
         decode = self._prepare_decode(sched) if self.graph_runner is not None else None
         if decode is not None:
             states, inputs = decode
-            logits = self.model.compute_logits(self.graph_runner.run(inputs))
+            logits = self.model.compute_logits(self.graph_runner.run(inputs, prev))
         else:
-            batch = self._prepare_inputs(sched)
+            batch = self._prepare_inputs(sched, prev)
             with set_forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
             if not batch.sample_ids:
-                return ModelRunnerOutput(step_id=sched.step_id)
+                return StepHandle(sched.step_id)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
+        if any(s.needs_output_ids and s.num_pending for s in states):
+            self._fold_tokens(keep=0)  # penalties and min_tokens read every token so far
         out = _sync_sampled_tokens(self._sample(logits, states))
-        return self._finish_step(sched.step_id, states, out)
+        handle = StepHandle(sched.step_id, states, out)
+        for row, state in enumerate(states):
+            state.num_pending += 1
+            state.pending_row = row
+        self.inflight.append(handle)
+        return handle
 
     def _dummy_run(self) -> None:
         """One token through the model, stored nowhere (slot -1): an idle DP rank's share of
@@ -227,10 +336,14 @@ class ModelRunner:
             return None
         states = [self.requests[rid] for rid in sched.num_scheduled_tokens]
         positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)
-        input_ids = np.fromiter((s.token_ids[-1] for s in states), np.int64, num_seqs)
-        lengths = np.fromiter((len(s.token_ids) for s in states), np.int64, num_seqs)
+        lengths = np.fromiter((s.num_tokens for s in states), np.int64, num_seqs)
         if not np.array_equal(positions + 1, lengths):  # a 1-token chunk of a longer prompt
             return None
+        # A token still in flight is read on the device from the previous step (row >= 0).
+        input_ids = np.fromiter((0 if s.num_pending else s.token_ids[-1] for s in states),
+                                np.int64, num_seqs)
+        pending_rows = np.fromiter((s.pending_row if s.num_pending else -1 for s in states),
+                                   np.int64, num_seqs)
         bs = self.block_size
         # Only the blocks the context occupies (the scheduler may have allocated more).
         num_blocks = positions // bs + 1
@@ -242,25 +355,12 @@ class ModelRunner:
         tables = np.zeros((num_seqs, width), dtype=np.int32)
         tables[np.arange(width) < num_blocks[:, None]] = flat
         slots = tables[np.arange(num_seqs), positions // bs].astype(np.int64) * bs + positions % bs
-        return states, DecodeInputs(input_ids, positions, slots, tables)
+        return states, DecodeInputs(input_ids, positions, slots, tables, pending_rows)
 
-    def _finish_step(self, step_id: int, states: list[CachedRequestState],
-                     out: SamplerOutput) -> ModelRunnerOutput:
-        token_ids = out.sampled_token_ids.tolist()
-        logprobs: list[Logprobs | None] = [None] * len(states)
-        if out.logprobs is not None:
-            ids, lps, ranks = (t.tolist() for t in out.logprobs)
-            for i, state in enumerate(states):
-                k = state.params.logprobs
-                if k is not None:
-                    logprobs[i] = Logprobs([ids[i][:k + 1]], [lps[i][:k + 1]], [ranks[i]])
-        for state, token_id in zip(states, token_ids):
-            state.output_token_ids.append(token_id)
-            state.token_ids.append(token_id)
-        return ModelRunnerOutput([s.request_id for s in states], token_ids, logprobs, step_id)
-
-    def _prepare_inputs(self, sched: SchedulerOutput) -> _Batch:
+    def _prepare_inputs(self, sched: SchedulerOutput, prev: torch.Tensor | None) -> _Batch:
         input_ids: list[int] = []
+        pending_at: list[int] = []  # flat positions whose token is still in flight
+        pending_rows: list[int] = []  # ... and its row in the previous step's tokens
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
@@ -274,13 +374,17 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + n
             input_ids.extend(state.token_ids[start:end])
+            if end > len(state.token_ids):  # the last token is still in flight
+                pending_at.append(len(input_ids))
+                pending_rows.append(state.pending_row)
+                input_ids.append(0)
             positions.extend(range(start, end))
             blocks = state.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
-            if end == len(state.token_ids):  # prefill done: this step yields a token
+            if end == state.num_tokens:  # prefill done: this step yields a token
                 logits_indices.append(query_start_loc[-1] - 1)
                 sample_ids.append(request_id)
         width = max(len(t) for t in tables)
@@ -298,8 +402,12 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        return _Batch(_to_device(input_ids, torch.long, dev),
-                      _to_device(positions, torch.long, dev), meta, _to_device(logits_indices, torch.long, dev), sample_ids)
+        ids = _to_device(input_ids, torch.long, dev)
+        if pending_at:
+            src = _to_device(pending_rows, torch.long, dev)
+            ids[_to_device(pending_at, torch.long, dev)] = prev[src]
+        return _Batch(ids, _to_device(positions, torch.long, dev), meta,
+                      _to_device(logits_indices, torch.long, dev), sample_ids)
 
 
 def _to_device(values: list[int] | np.ndarray, dtype: torch.dtype,

@@ -34,6 +34,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled by steps still in flight (async scheduling): the
+        # scheduler already feeds them as the next step's input before their values are known.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first schedule
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

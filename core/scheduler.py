@@ -118,7 +118,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and self._reaches_limit(request):
+                index += 1  # its last token is already in flight; the next update finishes it
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders
+                          - request.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._pick_victim(self.running[index:])
@@ -139,6 +143,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: re-admit it once the token is known
             computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - computed.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -161,12 +167,24 @@ class Scheduler:
             budget -= num_new
 
         for request_id, n in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += n
+            request = self.requests[request_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         self.step_id += 1
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                               sum(num_scheduled.values()), self.finished_ids, self.step_id)
         self.finished_ids = []
         return out
+
+    def _reaches_limit(self, request: Request) -> bool:
+        """Whether the tokens in flight already take the request to max_tokens or
+        max_model_len, so scheduling it again would compute a token past its end."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None
+                 and request.num_output_tokens + request.num_output_placeholders >= max_tokens)
+                or num_tokens >= self.max_model_len)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         # Only requests not yet scheduled this step are candidates (``candidates`` starts at the
@@ -195,8 +213,12 @@ class Scheduler:
         outputs, self.rejected = self.rejected, []
         for i, request_id in enumerate(result.request_ids):
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            # NOTE: a request preempted while this step ran keeps the token: its KV was intact
+            # when the step computed it, and its recompute will include it.
             token_id = result.sampled_token_ids[i]
             request.append_output_token(token_id)
             self._check_stop(request, token_id)

@@ -137,14 +137,23 @@ class MultiprocExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.call("init_kv", num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model_async(self, sched: SchedulerOutput) -> _PendingStep:
+        """Send the step to every worker; its tokens are read when ``output()`` is called,
+        so the engine can schedule (and send) the next step first."""
         self._broadcast(encode(sched))
+        return _PendingStep(self, sched.step_id)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).output()
+
+    def _wait_output(self, step_id: int) -> ModelRunnerOutput:
         while True:
             kind, msg = self._recv(timeout_s=None)
             if kind == MsgKind.FAILURE:
                 assert isinstance(msg, Failure)
                 raise WorkerFailure(f"worker {self.engine_id}-{msg.rank} failed:\n{msg.message}")
-            if kind == MsgKind.RUNNER_OUTPUT and msg.step_id == sched.step_id:
+            # Older steps' outputs (abandoned by a fault) arrive first and are skipped.
+            if kind == MsgKind.RUNNER_OUTPUT and msg.step_id == step_id:
                 return msg
 
     def reset(self) -> None:
@@ -198,3 +207,17 @@ class MultiprocExecutor:
         for sock in self.inboxes:
             sock.close(linger=0)
         self.outbox.close(linger=0)
+
+
+class _PendingStep:
+    """A step sent to the workers; ``output()`` waits for rank 0's tokens (once)."""
+
+    def __init__(self, executor: MultiprocExecutor, step_id: int) -> None:
+        self.executor = executor
+        self.step_id = step_id
+        self._output: ModelRunnerOutput | None = None
+
+    def output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self.executor._wait_output(self.step_id)
+        return self._output

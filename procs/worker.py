@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 import traceback
 
 import torch
 import zmq
 from bastion.core.config import EngineConfig
-from bastion.core.model_runner import ModelRunner
+from bastion.core.model_runner import ModelRunner, StepHandle
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.messages import Failure, HandshakeInfo, Ready, WorkerCall, WorkerReply
 from bastion.ops.communicator import (
@@ -174,18 +176,53 @@ def run_worker(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
 
 
 def _serve(worker: Worker, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
-    while True:
-        kind, msg = decode(inbox.recv_multipart())
-        if kind == MsgKind.SHUTDOWN:
-            return
-        if kind == MsgKind.WORKER_CALL:
-            outbox.send_multipart(encode(worker.handle_call(msg)))
-            continue
-        try:
-            result = worker.runner.execute_model(msg)
-        except Exception:
-            logger.exception("worker %d: step failed", worker.rank)
-            outbox.send_multipart(encode(Failure("worker", worker.rank, traceback.format_exc())))
-            continue
-        if worker.rank == 0:
-            outbox.send_multipart(encode(result))
+    """The worker's loop: launch each step as it arrives and hand its tokens to the sender
+    thread, which waits for them while this loop already prepares the next step."""
+    sender = _Sender(outbox, worker.rank)
+    sender.start()
+    try:
+        while True:
+            kind, msg = decode(inbox.recv_multipart())
+            if kind == MsgKind.SHUTDOWN:
+                return
+            if kind == MsgKind.WORKER_CALL:
+                sender.put(encode(worker.handle_call(msg)))
+                continue
+            try:
+                handle = worker.runner.execute_model_async(msg)
+            except Exception:
+                logger.exception("worker %d: step failed", worker.rank)
+                sender.put(encode(Failure("worker", worker.rank, traceback.format_exc())))
+                continue
+            if worker.rank == 0:
+                sender.put(handle)
+    finally:
+        sender.close()
+
+
+class _Sender(threading.Thread):
+    """Owns the worker's outgoing socket; sends replies in the order they were queued, and
+    for a step first waits for its sampled tokens (a failure then is reported like any)."""
+
+    def __init__(self, outbox: zmq.Socket, rank: int) -> None:
+        super().__init__(daemon=True, name="worker-sender")
+        self.outbox = outbox
+        self.rank = rank
+        self.items: queue.SimpleQueue[list[bytes] | StepHandle | None] = queue.SimpleQueue()
+
+    def put(self, item: list[bytes] | StepHandle) -> None:
+        self.items.put(item)
+
+    def close(self) -> None:
+        self.items.put(None)
+        self.join(timeout=5.0)
+
+    def run(self) -> None:
+        while (item := self.items.get()) is not None:
+            if isinstance(item, StepHandle):
+                try:
+                    item = encode(item.output())
+                except Exception:
+                    logger.exception("worker %d: step failed", self.rank)
+                    item = encode(Failure("worker", self.rank, traceback.format_exc()))
+            self.outbox.send_multipart(item)

@@ -84,6 +84,36 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class _WaitTimer:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = 0.0
+
+
+def _time_device_waits() -> _WaitTimer:
+    """Count steps and the host's time blocked on their sampled tokens (everything else in a
+    step is host work: scheduling, input preparation, launches, output handling)."""
+    from bastion.core.model_runner import StepHandle
+
+    timer = _WaitTimer()
+    original = StepHandle.output
+    if hasattr(original, "timer"):
+        original = original.original
+
+    def output(self):  # noqa: ANN001, ANN202
+        if self._output is None:
+            timer.calls += 1
+            start = time.perf_counter()
+            result = original(self)
+            timer.seconds += time.perf_counter() - start
+            return result
+        return original(self)
+
+    output.timer, output.original = timer, original
+    StepHandle.output = output
+    return timer
+
+
 def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     from bastion import LLM, SamplingParams
 
@@ -91,7 +121,8 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     kwargs = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype,
               "max_model_len": max(args.max_model_len or 0, max_len),
               "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens}
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "async_scheduling": args.async_scheduling}
     if args.device:
         kwargs["device"] = args.device
     if args.kv_cache_memory_bytes:
@@ -103,13 +134,33 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     llm.generate([list(range(1, 33))], SamplingParams(max_tokens=4))  # warm-up
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
               for n in work.max_tokens]
+    wait = _time_device_waits()
+    prof = None
+    if args.cprofile:
+        import cProfile
+
+        prof = cProfile.Profile()
     synchronize(device)
     start = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     outputs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params)
     synchronize(device)
     seconds = time.perf_counter() - start
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        steps = llm.engine.scheduler.step_id
+        print(f"cprofile: {steps} scheduler steps, {seconds / max(steps, 1) * 1e3:.2f} ms a "
+              "step (under the profiler)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_tokens == work.num_output_tokens, (num_tokens, work.num_output_tokens)
+    steps = wait.calls
+    print(f"bastion steps: {steps}, {seconds / max(steps, 1) * 1e3:.2f} ms a step, of which "
+          f"{wait.seconds / max(steps, 1) * 1e3:.2f} ms waiting for the device's tokens "
+          f"(async scheduling {'on' if llm.engine.async_scheduling else 'off'})")
     del llm
     gc.collect()
     return Result("bastion LLM", len(work.prompts), num_tokens, seconds)
@@ -290,6 +341,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="bastion only")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap scheduling with the device (default on)")
+    p.add_argument("--cprofile", action="store_true",
+                   help="profile bastion's host side (cProfile) and print the top functions")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="one process per GPU, prompts split round-robin")
     p.add_argument("--dp-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -6,7 +6,8 @@
 #   bash scripts/gpu_run.sh tests offline   # only these, in this order
 #
 # Stages: kernels (Triton kernels vs torch references, timed), tests (GPU parity under CUDA
-# graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights), floor (that
+# graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync: the
+# same without async scheduling; offprof: the same under cProfile), floor (that
 # workload's bandwidth floor, measured in the same run), hf (a slice of the workload through
 # bastion and transformers' continuous batching, with the ratio), latency (Llama-3.1-8B
 # architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite
@@ -117,6 +118,12 @@ for s in $STAGES; do
     offline) stage offline 150 'workload|bastion|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf ;;
+    offsync) stage offsync 150 'workload|bastion|Error|error' -- \
+      $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
+      --temperature 0 --max-num-batched-tokens 16384 --skip-hf --no-async-scheduling ;;
+    offprof) stage offprof 150 'workload|bastion|cprofile|tottime|model_runner|scheduler|engine_core|llm.py|Error' -- \
+      $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
+      --temperature 0 --max-num-batched-tokens 16384 --skip-hf --cprofile ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
     hf) stage hf 80 'workload|bastion|HF|ratio|Error' -- \

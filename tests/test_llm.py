@@ -41,21 +41,32 @@ def prompt_ids(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(prompt_ids: list[list[int]], embedded_gguf_path: str) -> list[list[int]]:
-    """Transformers' own GGUF loader and generate(), one prompt at a time (no padding)."""
+def hf_model(embedded_gguf_path: str):
+    """Transformers' own GGUF loader, float32."""
     from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(embedded_gguf_path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_generate(model, prompt_ids: list[list[int]], max_new_tokens: int = 32,
+                **kwargs) -> list[list[int]]:
+    """Greedy ``generate()``, one prompt at a time (no padding)."""
     out = []
     with torch.inference_mode():
         for ids in prompt_ids:
-            x = torch.tensor([ids])
-            y = model.generate(x, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+            y = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, do_sample=False, **kwargs)
             out.append(y[0, len(ids):].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(prompt_ids: list[list[int]], hf_model) -> list[list[int]]:
+    return hf_generate(hf_model, prompt_ids)
 
 
 def greedy_ids(llm: LLM, prompt_ids: list[list[int]],
@@ -94,6 +105,46 @@ def test_preemption_by_tiny_kv_pool(prompt_ids, hf_greedy):
     tiny = LLM(dtype="float32", max_model_len=128, num_gpu_blocks_override=8)
     assert greedy_ids(tiny, prompt_ids) == hf_greedy
     assert tiny.engine.scheduler.kv.num_free_blocks == 8
+
+
+def test_synchronous_scheduling_gives_the_same_tokens(prompt_ids, hf_greedy):
+    sync = LLM(dtype="float32", max_model_len=128, async_scheduling=False)
+    assert not sync.engine.async_scheduling
+    assert greedy_ids(sync, prompt_ids) == hf_greedy
+
+
+def test_async_decode_through_the_graph_runner(prompt_ids, hf_greedy):
+    """The CUDA-graph decode path run eagerly on the CPU: padded buckets, alternating host
+    staging buffers, and each step's input token read from the previous step's tokens."""
+    eager = LLM(dtype="float32", max_model_len=128)
+    runner = eager.engine.executor.runner
+    runner.graph_runner = runner.build_graph_runner()
+    calls = []
+    run = runner.graph_runner.run
+
+    def counting_run(inputs, prev=None):
+        calls.append(int((inputs.pending_rows >= 0).sum()))
+        return run(inputs, prev)
+
+    runner.graph_runner.run = counting_run
+    assert greedy_ids(eager, prompt_ids) == hf_greedy
+    # Every decode step after the first takes all 8 of its input tokens from the device.
+    assert len(calls) >= 30 and max(calls) == 8
+
+
+def test_penalties_see_the_token_still_in_flight(llm, prompt_ids, hf_model):
+    """A repetition penalty reads every token so far: an async step must not sample without
+    the one the previous step produced (the runner waits for it). Reference: transformers'
+    repetition penalty, which has the same definition (prompt + output, divide positive
+    logits, multiply negative ones)."""
+    penalised = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                               repetition_penalty=1.5)
+    params = [penalised if i % 2 else GREEDY for i in range(len(prompt_ids))]
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    want = hf_generate(hf_model, prompt_ids[1::2], 24, repetition_penalty=1.5)
+    assert got[1::2] == want
+    assert [g[:24] for g in greedy_ids(llm, prompt_ids[1::2])] != want  # the penalty bites
 
 
 def test_seeded_sampling_is_reproducible_and_n_choices_differ(llm):

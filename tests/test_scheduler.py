@@ -148,3 +148,76 @@ def test_drop_all_forgets_requests_and_kv_state():
     s.add_request(req("a", 5, max_tokens=8))
     out, _ = run_step(s)
     assert out.new_requests[0].request_id == "a" and out.num_scheduled_tokens == {"a": 5}
+
+
+# ------------------------------------------------------------------- async scheduling
+
+
+def sampled_by(s: Scheduler, out: SchedulerOutput) -> list[str]:
+    """Requests that sample a token in ``out`` (their computed tokens reach the end, counting
+    the tokens still in flight)."""
+    return [rid for rid in out.num_scheduled_tokens
+            if s.requests[rid].num_computed_tokens
+            == s.requests[rid].num_tokens + s.requests[rid].num_output_placeholders - 1]
+
+
+def test_async_step_is_scheduled_before_the_previous_tokens_arrive():
+    s = make_scheduler()
+    s.add_request(req("a", 5, max_tokens=3))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"a": 5}
+    assert sampled_by(s, first) == ["a"]
+    # Step 2 goes out before step 1's token is known: it feeds that token (a placeholder).
+    second = s.schedule()
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert second.cached_requests[0].num_computed_tokens == 5
+    assert s.requests["a"].num_output_placeholders == 2
+    outputs = s.update_from_output(first, ModelRunnerOutput(["a"], [7], []))
+    assert [o.new_token_ids for o in outputs] == [[7]]
+    assert s.requests["a"].all_token_ids[-1] == 7
+    third = s.schedule()
+    assert third.num_scheduled_tokens == {"a": 1}
+    # Three tokens are now produced or in flight: a fourth step would pass max_tokens.
+    assert s.schedule().num_scheduled_tokens == {}
+    s.update_from_output(second, ModelRunnerOutput(["a"], [8], []))
+    outputs = s.update_from_output(third, ModelRunnerOutput(["a"], [9], []))
+    assert outputs[0].finish_reason == FinishReason.LENGTH
+    assert not s.has_unfinished_requests
+    assert s.kv.num_free_blocks == 16
+
+
+def test_async_request_finished_early_drops_the_token_in_flight():
+    s = make_scheduler()
+    r = req("a", 3, max_tokens=10)
+    r.sampling_params.stop_token_ids.append(5)
+    s.add_request(r)
+    first, second = s.schedule(), s.schedule()
+    outputs = s.update_from_output(first, ModelRunnerOutput(["a"], [5], []))
+    assert outputs[0].finish_reason == FinishReason.STOP
+    assert s.kv.num_free_blocks == 16
+    assert s.update_from_output(second, ModelRunnerOutput(["a"], [6], [])) == []
+    assert s.schedule().finished_request_ids == ["a"]
+
+
+def test_async_preempted_request_keeps_its_token_in_flight():
+    # 4 blocks of 4 tokens: a (4 prompt tokens) and b (8) fill 3; a's decode needs a new block,
+    # b's as well, so scheduling the next step preempts b while b's token is in flight.
+    s = make_scheduler(num_blocks=4, block_size=4)
+    s.add_request(req("a", 4, max_tokens=8))
+    s.add_request(req("b", 8, max_tokens=8, start=50))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"a": 4, "b": 8}
+    second = s.schedule()  # a takes the last free block; b (newest) is preempted
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert s.requests["b"].status == RequestStatus.PREEMPTED
+    assert second.finished_request_ids == ["b"]
+    assert s.schedule().num_scheduled_tokens == {"a": 1}  # b waits for its token first
+    s.update_from_output(first, ModelRunnerOutput(["a", "b"], [3, 4], []))
+    assert s.requests["b"].output_token_ids == [4]
+    assert s.requests["b"].num_output_placeholders == 0
+    # b resumes with that token once a leaves room; its prompt blocks come from the cache.
+    s.abort_requests(["a"])
+    resumed = s.schedule()
+    assert resumed.num_scheduled_tokens == {"b": 1}
+    assert resumed.new_requests[0].num_computed_tokens == 8
+    assert resumed.new_requests[0].output_token_ids == [4]

@@ -245,7 +245,7 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(num_q_per_kv)) if is_decode else 64
     block_m = max(block_m, triton.next_power_of_2(num_q_per_kv))
     block_q = block_m // num_q_per_kv
-    tile = 32 if is_decode else 64
+    tile = 64  # decode at 256 x 1.1k context: 319 us against 377 us with 32 (H200, bf16)
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_splits is None:
         num_splits = _pick_num_splits(num_q_blocks, num_kv_heads, meta.max_query_len)

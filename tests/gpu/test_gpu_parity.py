@@ -111,9 +111,9 @@ def count_graph_runs(llm: LLM) -> list[int]:
     calls: list[int] = []
     original = runner.graph_runner.run
 
-    def run(inputs: DecodeInputs) -> torch.Tensor:
+    def run(inputs: DecodeInputs, prev: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(len(inputs.input_ids))
-        return original(inputs)
+        return original(inputs, prev)
 
     runner.graph_runner.run = run
     return calls
