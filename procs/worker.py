@@ -63,6 +63,9 @@ class Worker:
             num_workers = self.config.parallel.world_size
             torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // num_workers))
             return torch.device("cpu")
+        # NOTE: NCCL's own hang monitor polls the group's TCPStore; the sentinel watches hangs
+        # here, and the monitor only outlives a store that its owner rank already closed.
+        os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
         tp_size = self.config.parallel.tensor_parallel_size
         index = (self.dp_rank * tp_size + self.rank) % torch.cuda.device_count()
         torch.cuda.set_device(index)

@@ -114,6 +114,53 @@ def _time_device_waits() -> _WaitTimer:
     return timer
 
 
+def _profile_steps(llm, first: int, count: int) -> None:  # noqa: ANN001
+    """Profile engine steps ``first .. first + count - 1`` (device kernels and host calls) and
+    print the kernels that take the device's time, with its busy time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    original = engine.step
+    state = {"n": 0, "prof": None}
+
+    def step():  # noqa: ANN202
+        n = state["n"] = state["n"] + 1
+        if n == first:
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        out = original()
+        if n == first + count - 1 and state["prof"] is not None:
+            synchronize(llm.config.model.device)
+            wall = time.perf_counter() - state["t0"]
+            prof = state["prof"]
+            prof.__exit__(None, None, None)
+            events = prof.key_averages()
+            device_us = sum(e.self_device_time_total for e in events)
+            batch = len(engine.scheduler.running)
+            print(f"torch profile: steps {first}..{first + count - 1} (batch {batch}): "
+                  f"{wall / count * 1e3:.2f} ms a step wall, {device_us / count / 1e3:.2f} ms "
+                  "a step of device kernels")
+            print(events.table(sort_by="self_device_time_total", row_limit=18,
+                               max_name_column_width=60))
+        return out
+
+    engine.step = step
+
+
+def warm_up(llm, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """A short run of other prompts drawn like the workload's (so no prefix-cache hits): it
+    compiles the Triton kernels for the prefill shapes the timed run will meet, which a cold
+    kernel cache would otherwise charge to the first run (3 s on an H200)."""
+    from bastion import SamplingParams
+
+    n = min(args.num_seqs, 64)
+    work = make_workload(n, args.min_input, args.max_input, 1, 1, args.seed + 1)
+    llm.generate([{"prompt_token_ids": p} for p in work.prompts],
+                 SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.scheduler.kv.pool.reset_prefix_cache()
+
+
 def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     from bastion import LLM, SamplingParams
 
@@ -131,10 +178,12 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
         kwargs["skip_tokenizer_init"] = True
     llm = LLM(**kwargs)
     device = llm.config.model.device
-    llm.generate([list(range(1, 33))], SamplingParams(max_tokens=4))  # warm-up
+    warm_up(llm, args)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
               for n in work.max_tokens]
     wait = _time_device_waits()
+    if args.torch_profile:
+        _profile_steps(llm, *map(int, args.torch_profile.split(":")))
     prof = None
     if args.cprofile:
         import cProfile
@@ -187,6 +236,11 @@ def run_bastion_dp(args: argparse.Namespace, work: Workload) -> Result:
     end = max(r["end"] for r in results)
     tokens = sum(r["tokens"] for r in results)
     assert tokens == work.num_output_tokens, (tokens, work.num_output_tokens)
+    for rank, r in enumerate(results):
+        seconds, steps = r["end"] - r["start"], max(r["steps"], 1)
+        print(f"bastion steps, rank {rank}: {r['steps']} in {seconds:.2f} s, "
+              f"{seconds / steps * 1e3:.2f} ms a step, of which "
+              f"{r['wait_s'] / steps * 1e3:.2f} ms waiting for the device's tokens")
     return Result(f"bastion LLM x DP={size}", len(work.prompts), tokens, end - start)
 
 
@@ -201,18 +255,20 @@ def dp_rank_main(args: argparse.Namespace, work: Workload) -> None:
               max_model_len=max(args.max_model_len or 0, max_len),
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               skip_tokenizer_init=args.load_format == "dummy")
-    llm.generate([list(range(1, 33))], SamplingParams(max_tokens=4))
+    warm_up(llm, args)
     print("READY", flush=True)
     while not os.path.exists(args.dp_go_file):
         time.sleep(0.001)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
               for n in max_tokens]
+    wait = _time_device_waits()
     start = time.time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     synchronize(llm.config.model.device)
     end = time.time()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"start": start, "end": end, "tokens": tokens}), flush=True)
+    print(json.dumps({"start": start, "end": end, "tokens": tokens, "steps": wait.calls,
+                      "wait_s": wait.seconds}), flush=True)
 
 
 def load_hf_model(args: argparse.Namespace, device: str, attn: str | None = None):
@@ -343,6 +399,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="bastion only")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap scheduling with the device (default on)")
+    p.add_argument("--torch-profile", default=None, metavar="FIRST:COUNT",
+                   help="torch-profile engine steps FIRST..FIRST+COUNT-1 and print the kernels")
     p.add_argument("--cprofile", action="store_true",
                    help="profile bastion's host side (cProfile) and print the top functions")
     p.add_argument("--data-parallel-size", type=int, default=1,

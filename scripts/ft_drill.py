@@ -82,7 +82,7 @@ def drill(base: str, model: str, kind: str, engine: int, prompts: list[str],
     t0 = time.monotonic()
     fire(base, kind, engine)
     detect = recover = None
-    while time.monotonic() - t0 < 300:
+    while time.monotonic() - t0 < 120:
         engines = statuses(base)
         now = time.monotonic() - t0
         if detect is None and any(s["state"] != "healthy" for s in engines):
@@ -92,7 +92,7 @@ def drill(base: str, model: str, kind: str, engine: int, prompts: list[str],
             break
         time.sleep(0.02)
     for t in threads:
-        t.join(600)
+        t.join(max(1.0, 180 - (time.monotonic() - t0)))
     ok = sum(out.get(p) == reference[p] for p in prompts)
     return {"kind": kind, "detect_s": detect, "recover_s": recover, "in_flight": len(prompts),
             "completed_same": ok}
@@ -112,15 +112,20 @@ def main() -> None:
     prompts = [f"Request {i}: tell me about the number {i * 7}." for i in range(args.num_requests)]
     reference: dict = {}
     never = threading.Event()
-    for p in prompts:
-        stream(base, model, p, args.max_tokens, reference, p, never)
-    rows = [drill(base, model, kind, args.engine, prompts, args.max_tokens, reference)
-            for kind in args.kinds]
-    print(f"{'fault':<12} {'detect s':>9} {'recover s':>10} {'in flight':>10} {'completed':>10}")
-    for r in rows:
+    threads = [threading.Thread(target=stream, args=(base, model, p, args.max_tokens,
+                                                     reference, p, never)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    print(f"{'fault':<12} {'detect s':>9} {'recover s':>10} {'in flight':>10} {'completed':>10}",
+          flush=True)
+    for kind in args.kinds:  # one row as each drill ends, so a stuck drill leaves the others
+        r = drill(base, model, kind, args.engine, prompts, args.max_tokens, reference)
         d = "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}"
         rc = "-" if r["recover_s"] is None else f"{r['recover_s']:.2f}"
-        print(f"{r['kind']:<12} {d:>9} {rc:>10} {r['in_flight']:>10} {r['completed_same']:>10}")
+        print(f"{r['kind']:<12} {d:>9} {rc:>10} {r['in_flight']:>10} {r['completed_same']:>10}",
+              flush=True)
 
 
 if __name__ == "__main__":

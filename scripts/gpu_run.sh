@@ -93,7 +93,9 @@ run_ftdrill() {
     --enable-expert-parallel --enable-fault-injection --ft-hang-timeout-s 10 \
     --max-model-len 1024 --data-parallel-rpc-port 29700 >"$slog" 2>&1 &
   local pid=$!
+  trap 'cp "$slog" "$OUT/ft_server.log"' EXIT
   wait_healthy $port $pid 360 || { tail -n 60 "$slog"; return 1; }
+  echo "server healthy after $SECONDS s"
   $PY scripts/ft_drill.py --base-url "http://127.0.0.1:$port" --engine 1 --num-requests 16 \
     --max-tokens 128 --kinds raise worker_exit hang kill_worker kill_engine
   local rc=$?
@@ -124,11 +126,15 @@ for s in $STAGES; do
     offprof) stage offprof 150 'workload|bastion|cprofile|tottime|model_runner|scheduler|engine_core|llm.py|Error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf --cprofile ;;
+    gpuprof) stage gpuprof 150 'torch profile|Self CUDA|Name|^ *[a-z_].*[0-9]+\.[0-9]+(us|ms)|bastion|Error' -- bash -c \
+      "for w in 60:5 400:5 800:5; do $PY scripts/bench_offline.py --model $QWEN --load-format dummy \
+      --dtype bfloat16 $NANO --temperature 0 --max-num-batched-tokens 16384 --skip-hf \
+      --torch-profile \$w; done" ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
-    hf) stage hf 80 'workload|bastion|HF|ratio|Error' -- \
+    hf) stage hf 120 'workload|bastion|HF|ratio|Error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 \
-      --num-seqs 16 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
+      --num-seqs 8 --min-input 100 --max-input 1024 --min-output 100 --max-output 512 \
       --temperature 0 --max-num-batched-tokens 16384 --hf-continuous-batching ;;
     latency) stage latency 150 'latency|avg|floor|Error' -- \
       $PY scripts/bench_latency.py --model $LLAMA ;;
@@ -139,7 +145,7 @@ for s in $STAGES; do
       $PY scripts/bench_latency.py --model $LLAMA --tensor-parallel-size 2 ;;
     tpeager) stage tpeager 150 'latency|avg|floor|Error' -- \
       $PY scripts/bench_latency.py --model $LLAMA --tensor-parallel-size 2 --enforce-eager ;;
-    ftdrill) stage ftdrill 200 'fault|raise|exit|hang|kill|Error' -- bash -c run_ftdrill ;;
+    ftdrill) stage ftdrill 300 'fault|raise|exit|hang|kill|Error' -- bash -c run_ftdrill ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -246,6 +246,10 @@ def test_rms_norm_rows_and_per_head_view() -> None:
     assert out.shape == (3, 4, 16)
     ref = rms_norm_ref(q.reshape(-1, 16), wq, 1e-5).view(3, 4, 16)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    # ... and k, which starts inside the row.
+    k = qkv[:, 4 * 16:6 * 16].view(3, 2, 16)
+    ref = rms_norm_ref(k.reshape(-1, 16), wq, 1e-5).view(3, 2, 16)
+    torch.testing.assert_close(rms_norm_triton(k, wq, 1e-5), ref, atol=1e-6, rtol=1e-6)
 
 
 def test_fused_add_rms_norm_matches_unfused() -> None:

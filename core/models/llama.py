@@ -51,8 +51,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+            # Per-head views of the fused output: the norm reads them in place (no copy).
+            q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 

@@ -47,10 +47,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> float32 [N, vocab], gathered over TP ranks, padding columns dropped."""
+        """[N, H] -> [N, vocab] in the model's dtype, gathered over TP ranks, padding columns
+        dropped. The sampler computes in float32; a plain argmax reads these directly (the
+        float32 copy of a 256 x 152k batch costs a 0.1 ms kernel a step on an H200)."""
         logits = F.linear(hidden, self.weight)
         logits = self.tp.all_gather(logits, dim=-1)
-        return logits[:, : self.num_embeddings].float()
+        return logits[:, : self.num_embeddings]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden)
