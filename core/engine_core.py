@@ -114,7 +114,9 @@ class EngineCore:
             if sched.num_scheduled_tokens or sched.finished_request_ids:
                 self.inflight.append((sched, self.executor.execute_model_async(sched)))
                 launched = True
-        if not self.inflight or (launched and len(self.inflight) < 2):
+        if not self.inflight:  # nothing could run: deadlines still pass
+            return self.scheduler.take_rejected() + self.scheduler.expire_deadlines()
+        if launched and len(self.inflight) < 2:
             return self.scheduler.take_rejected()  # keep one step queued behind the device
         sched, result = self.inflight.popleft()
         return self.scheduler.update_from_output(sched, result.output())

@@ -198,7 +198,13 @@ class ModelRunner:
         with set_forward_context(meta):
             hidden = self.model(ids, positions)
         num_seqs = min(self.config.scheduler.max_num_seqs, num_tokens)
-        self.model.compute_logits(hidden[:num_seqs])
+        logits = self.model.compute_logits(hidden[:num_seqs])
+        # The sampler's own peak: float32 logits, penalties, top-k/top-p sort and logprobs.
+        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=20,
+                               repetition_penalty=1.1, frequency_penalty=0.1)
+        self.sampler(logits, SamplingMetadata.build(
+            [worst] * num_seqs, [[0]] * num_seqs, [[0]] * num_seqs, [None] * num_seqs,
+            [None] * num_seqs, self.device, logits.shape[-1]))
         torch.cuda.synchronize(self.device)
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = None

@@ -44,6 +44,9 @@ class Scheduler:
         self.rejected: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.step_id = 0
+        # The requests each step still in flight scheduled, by step id: an update applies a
+        # token only to the very request its step ran (an id may be reused in between).
+        self.scheduled: dict[int, dict[str, Request]] = {}
 
     # ---------------------------------------------------------------- admission and removal
 
@@ -69,6 +72,11 @@ class Scheduler:
         if num_blocks > self.kv.num_blocks:
             return (f"the request needs {num_blocks} KV blocks but the pool has only "
                     f"{self.kv.num_blocks}; it can never be scheduled")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and request.num_tokens > budget:
+            return (f"the prompt has {request.num_prompt_tokens} tokens but, with chunked "
+                    f"prefill off, a step computes at most {budget} "
+                    "(max_num_batched_tokens); it can never be scheduled")
         return None
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -166,12 +174,15 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
+        scheduled = {}
         for request_id, n in num_scheduled.items():
-            request = self.requests[request_id]
+            request = scheduled[request_id] = self.requests[request_id]
             request.num_computed_tokens += n
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
         self.step_id += 1
+        if scheduled:
+            self.scheduled[self.step_id] = scheduled
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                               sum(num_scheduled.values()), self.finished_ids, self.step_id)
         self.finished_ids = []
@@ -211,9 +222,10 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput,
                            result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self.rejected = self.rejected, []
+        scheduled = self.scheduled.pop(sched.step_id, {})
         for i, request_id in enumerate(result.request_ids):
-            request = self.requests.get(request_id)
-            if request is None:
+            request = scheduled.get(request_id)
+            if request is None or self.requests.get(request_id) is not request:
                 continue  # finished or aborted while the step ran
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
@@ -228,7 +240,7 @@ class Scheduler:
                 max(request.num_cached_tokens, 0), logprobs))
             if request.is_finished:
                 self._remove(request)
-        outputs.extend(self._expire_deadlines())
+        outputs.extend(self.expire_deadlines())
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> None:
@@ -244,7 +256,7 @@ class Scheduler:
                 or request.num_tokens >= self.max_model_len:
             request.finish(FinishReason.LENGTH)
 
-    def _expire_deadlines(self) -> list[EngineCoreOutput]:
+    def expire_deadlines(self) -> list[EngineCoreOutput]:
         now = time.time()
         expired = [r for r in self.requests.values() if r.deadline is not None and r.deadline < now]
         outputs = []
@@ -269,6 +281,7 @@ class Scheduler:
         self.running.clear()
         self.rejected.clear()
         self.kv.reset()
+        self.scheduled.clear()
         self.known_by_workers.clear()
         self.finished_ids.clear()
 

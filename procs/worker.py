@@ -181,7 +181,7 @@ def run_worker(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
 def _serve(worker: Worker, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
     """The worker's loop: launch each step as it arrives and hand its tokens to the sender
     thread, which waits for them while this loop already prepares the next step."""
-    sender = _Sender(outbox, worker.rank)
+    sender = _Sender(outbox, worker.rank, worker.device)
     sender.start()
     try:
         while True:
@@ -207,10 +207,11 @@ class _Sender(threading.Thread):
     """Owns the worker's outgoing socket; sends replies in the order they were queued, and
     for a step first waits for its sampled tokens (a failure then is reported like any)."""
 
-    def __init__(self, outbox: zmq.Socket, rank: int) -> None:
+    def __init__(self, outbox: zmq.Socket, rank: int, device: torch.device) -> None:
         super().__init__(daemon=True, name="worker-sender")
         self.outbox = outbox
         self.rank = rank
+        self.device = device
         self.items: queue.SimpleQueue[list[bytes] | StepHandle | None] = queue.SimpleQueue()
 
     def put(self, item: list[bytes] | StepHandle) -> None:
@@ -221,6 +222,10 @@ class _Sender(threading.Thread):
         self.join(timeout=5.0)
 
     def run(self) -> None:
+        if self.device.type == "cuda":
+            # NOTE: a new thread starts on GPU 0; waiting on an event there would give this
+            # worker a second CUDA context on another engine's GPU.
+            torch.cuda.set_device(self.device)
         while (item := self.items.get()) is not None:
             if isinstance(item, StepHandle):
                 try:

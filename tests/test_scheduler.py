@@ -221,3 +221,30 @@ def test_async_preempted_request_keeps_its_token_in_flight():
     assert resumed.num_scheduled_tokens == {"b": 1}
     assert resumed.new_requests[0].num_computed_tokens == 8
     assert resumed.new_requests[0].output_token_ids == [4]
+
+
+def test_async_token_in_flight_never_reaches_a_new_request_with_the_same_id():
+    s = make_scheduler()
+    s.add_request(req("a", 5, max_tokens=8))
+    first, second = s.schedule(), s.schedule()
+    s.abort_requests(["a"])
+    s.add_request(req("a", 3, max_tokens=8, start=40))  # the id is free again
+    third = s.schedule()
+    assert third.new_requests[0].prompt_token_ids == [40, 41, 42]
+    assert s.update_from_output(first, ModelRunnerOutput(["a"], [7], [])) == []
+    assert s.update_from_output(second, ModelRunnerOutput(["a"], [8], [])) == []
+    outputs = s.update_from_output(third, ModelRunnerOutput(["a"], [9], []))
+    assert [o.new_token_ids for o in outputs] == [[9]]
+    assert s.requests["a"].output_token_ids == [9]
+    assert s.requests["a"].num_output_placeholders == 0
+
+
+def test_prompt_over_the_budget_without_chunked_prefill_is_rejected():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, enable_chunked_prefill=False),
+                  CacheConfig(block_size=4), 16, 64)
+    s.add_request(req("a", 9))
+    s.add_request(req("b", 8, start=20))
+    [rejected] = s.take_rejected()
+    assert rejected.request_id == "a" and rejected.finish_reason == FinishReason.ERROR
+    assert "chunked prefill off" in rejected.error and "at most 8" in rejected.error
+    assert s.schedule().num_scheduled_tokens == {"b": 8}
