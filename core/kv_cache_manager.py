@@ -120,7 +120,7 @@ class KVCacheManager:
         num_full = min(num_full, len(request.block_hashes))
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_indexed_blocks[request.request_id] = max(num_full, start)
+        self.num_indexed_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Return a request's blocks, tail first, so its prefix is evicted last."""

@@ -268,10 +268,6 @@ class ModelRunner:
                 state.append_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for its tokens."""
-        return self.execute_model_async(sched).output()
-
     @torch.inference_mode()
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
         """Launch one step; its tokens stay on the device until the handle is asked.

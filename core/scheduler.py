@@ -126,7 +126,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_output_placeholders and self._reaches_limit(request):
+            if (request.num_output_placeholders
+                    and self._at_length_limit(request, request.num_output_placeholders)):
                 index += 1  # its last token is already in flight; the next update finishes it
                 continue
             num_new = min(request.num_tokens + request.num_output_placeholders
@@ -188,14 +189,13 @@ class Scheduler:
         self.finished_ids = []
         return out
 
-    def _reaches_limit(self, request: Request) -> bool:
-        """Whether the tokens in flight already take the request to max_tokens or
-        max_model_len, so scheduling it again would compute a token past its end."""
-        num_tokens = request.num_tokens + request.num_output_placeholders
+    def _at_length_limit(self, request: Request, num_in_flight: int = 0) -> bool:
+        """Whether the request's tokens, plus ``num_in_flight`` not known yet, reach
+        max_tokens or max_model_len (then scheduling it again would pass its end)."""
         max_tokens = request.sampling_params.max_tokens
         return ((max_tokens is not None
-                 and request.num_output_tokens + request.num_output_placeholders >= max_tokens)
-                or num_tokens >= self.max_model_len)
+                 and request.num_output_tokens + num_in_flight >= max_tokens)
+                or request.num_tokens + num_in_flight >= self.max_model_len)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         # Only requests not yet scheduled this step are candidates (``candidates`` starts at the
@@ -252,8 +252,7 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.finish(FinishReason.STOP, stop_reason=token_id)
                 return
-        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) \
-                or request.num_tokens >= self.max_model_len:
+        if self._at_length_limit(request):
             request.finish(FinishReason.LENGTH)
 
     def expire_deadlines(self) -> list[EngineCoreOutput]:

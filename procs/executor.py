@@ -143,9 +143,6 @@ class MultiprocExecutor:
         self._broadcast(encode(sched))
         return _PendingStep(self, sched.step_id)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(sched).output()
-
     def _wait_output(self, step_id: int) -> ModelRunnerOutput:
         while True:
             kind, msg = self._recv(timeout_s=None)
@@ -187,7 +184,7 @@ class MultiprocExecutor:
 
     def execute_dummy(self) -> None:
         """A step with no requests, so the expert-parallel collectives of idle ranks match."""
-        self.execute_model(SchedulerOutput(step_id=-1, is_dummy=True))
+        self.execute_model_async(SchedulerOutput(step_id=-1, is_dummy=True)).output()
 
     def inject_fault(self, kind: str, rank: int = 0) -> None:
         frames = encode(WorkerCall(next(self._call_ids), "inject_fault", [kind]))
