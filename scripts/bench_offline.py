@@ -148,6 +148,24 @@ def _profile_steps(llm, first: int, count: int) -> None:  # noqa: ANN001
     engine.step = step
 
 
+def _count_new_kernel_variants() -> dict[str, int]:
+    """Counts Triton kernel variants built (compiled, or loaded from the disk cache) from now
+    on: one met first inside a timed run means compile time may be inside the figure."""
+    counter = {"n": 0}
+    try:
+        from triton import knobs
+    except ImportError:
+        return counter
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        counter["n"] += 1
+        return previous(*args, **kwargs) if previous else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return counter
+
+
 def warm_up(llm, args: argparse.Namespace) -> None:  # noqa: ANN001
     """A short run of other prompts drawn like the workload's (so no prefix-cache hits): it
     compiles the Triton kernels for the prefill shapes the timed run will meet, which a cold
@@ -182,6 +200,7 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
               for n in work.max_tokens]
     wait = _time_device_waits()
+    variants = _count_new_kernel_variants()
     if args.torch_profile:
         _profile_steps(llm, *map(int, args.torch_profile.split(":")))
     prof = None
@@ -209,7 +228,8 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     steps = wait.calls
     print(f"bastion steps: {steps}, {seconds / max(steps, 1) * 1e3:.2f} ms a step, of which "
           f"{wait.seconds / max(steps, 1) * 1e3:.2f} ms waiting for the device's tokens "
-          f"(async scheduling {'on' if llm.engine.async_scheduling else 'off'})")
+          f"(async scheduling {'on' if llm.engine.async_scheduling else 'off'}); "
+          f"Triton kernel variants first built inside the timed run: {variants['n']}")
     del llm
     gc.collect()
     return Result("bastion LLM", len(work.prompts), num_tokens, seconds)

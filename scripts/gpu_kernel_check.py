@@ -56,6 +56,29 @@ def bench(fn: Callable[[], object], iters: int, warmup: int = 10) -> float:
     return statistics.median(times)
 
 
+def bench_graph(fn: Callable[[], object], iters: int, per: int = 10) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph of ``per`` calls, as the engine
+    runs decode: no host launch cost inside the figure, even for kernels shorter than a launch."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(iters // per, 3)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per)
+    return statistics.median(times)
+
+
 def copy_bandwidth(iters: int) -> float:
     """Bytes/s of a 2 GiB device-to-device copy (1 GiB read + 1 GiB written)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
@@ -192,6 +215,40 @@ def case_rotary(num_tokens: int, iters: int) -> Row:
     return row
 
 
+def case_norm_rope_store(num_tokens: int, iters: int) -> Row:
+    """Qwen3's attention input fused: per-head q/k RMSNorm, rotary, K/V store (one launch)."""
+    from bastion.ops.rotary import apply_rotary_emb_ref
+    from bastion.ops.triton.rotary import apply_rotary_emb_triton
+
+    row = Row("norm_rope_store", f"T={num_tokens} Hq={HQ} Hk={HK} D={D} bs={BLOCK}")
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D)
+    freqs = torch.outer(torch.arange(40960, dtype=torch.float32, device=DEV), inv_freq)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qkv = torch.randn(num_tokens, (HQ + 2 * HK) * D, dtype=BF16, device=DEV)
+    q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+    pos = torch.randint(0, 40960, (num_tokens,), device=DEV)
+    num_blocks = num_tokens // BLOCK * 2 + 8
+    caches = [torch.zeros(num_blocks, BLOCK, HK, D, dtype=BF16, device=DEV) for _ in range(4)]
+    slots = torch.randperm(num_blocks * BLOCK, device=DEV)[:num_tokens]
+    w = [torch.randn(D, dtype=BF16, device=DEV) for _ in range(2)]
+    extra = {"q_weight": w[0], "k_weight": w[1], "eps": 1e-6, "value": v, "slot_mapping": slots}
+
+    def run() -> object:
+        return apply_rotary_emb_triton(pos, q, k, cache, D, k_cache=caches[0],
+                                       v_cache=caches[1], **extra)
+
+    q_out, k_out = run()
+    q_ref, k_ref = apply_rotary_emb_ref(pos, q, k, cache, D, k_cache=caches[2],
+                                        v_cache=caches[3], **extra)
+    row.max_err = max(max_err(q_out, q_ref), max_err(k_out, k_ref),
+                      max_err(caches[0], caches[2]), max_err(caches[1], caches[3]))
+    row.time_us = bench(run, iters)
+    row.ref_us = bench(lambda: apply_rotary_emb_ref(pos, q, k, cache, D, k_cache=caches[2],
+                                                    v_cache=caches[3], **extra), iters)
+    row.bytes_moved = nbytes(qkv) + 2 * nbytes(q_out, k_out) + num_tokens * D * 4
+    return row
+
+
 def case_silu_and_mul(num_tokens: int, iters: int) -> Row:
     from bastion.ops.activation import silu_and_mul_ref
     from bastion.ops.triton.silu_and_mul import silu_and_mul_triton
@@ -249,6 +306,8 @@ def all_cases(iters: int, quick: bool) -> list[tuple[str, Callable[[], Row]]]:
         ("fused_add_rms_norm prefill", lambda: case_fused_add_rms_norm(4096, iters)),
         ("rotary decode", lambda: case_rotary(decode_b, iters)),
         ("rotary prefill", lambda: case_rotary(4096, iters)),
+        ("norm_rope_store decode", lambda: case_norm_rope_store(decode_b, iters)),
+        ("norm_rope_store prefill", lambda: case_norm_rope_store(4096, iters)),
         ("silu_and_mul decode", lambda: case_silu_and_mul(decode_b, iters)),
         ("silu_and_mul prefill", lambda: case_silu_and_mul(4096, iters)),
     ]  # fmt: skip
@@ -279,11 +338,47 @@ def print_table(rows: list[Row], copy_bw: float) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
 
 
+def attention_sweep(iters: int, copy_bw: float) -> None:
+    """Decode attention's launch shapes at three points of the nano-vllm workload (prompts and
+    outputs uniform in [100, 1024]; at step s the sequences with more than s outputs remain,
+    each with its prompt plus s tokens of context), against the K/V bytes' copy floor."""
+    import random
+
+    from bastion.ops.triton import unified_attention as ua
+
+    rng = random.Random(0)
+    work = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
+    print(f"{'step':>4} {'batch':>5} {'ctx':>5} {'tile':>4} {'warps':>5} {'stages':>6} "
+          f"{'splits':>6} {'us':>8} {'GB/s':>6} {'of floor':>8}")
+    for step in (60, 400, 800, 900, 980):
+        ctx = [p + step for p, o in work if o > step]
+        meta, k_cache, v_cache, query = _attention_batch([1] * len(ctx), ctx)
+        kv_bytes = 2 * sum(meta.seq_lens_cpu) * HK * D * 2
+        floor_us = kv_bytes / copy_bw * 1e6
+        configs = [ua.KernelConfig(*c) for c in ((64, 4, 3), (64, 4, 4), (128, 4, 3))]
+        for config in configs:
+            for splits in ((None, 2) if len(ctx) > 128 else (None, 1, 2, 4)):
+                try:
+                    us = bench_graph(lambda: ua.paged_attention_triton(
+                        query, k_cache, v_cache, meta, D**-0.5, num_splits=splits,
+                        config=config), iters)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"{step:>4} {len(ctx):>5} {config} failed: {str(exc)[:60]}")
+                    continue
+                print(f"{step:>4} {len(ctx):>5} {sum(ctx) // len(ctx):>5} {config.tile:>4} "
+                      f"{config.num_warps:>5} {config.num_stages:>6} {str(splits):>6} "
+                      f"{us:>8.1f} {kv_bytes / us / 1e3:>6.0f} {floor_us / us:>8.0%}")
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="smaller decode batch")
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--attention-sweep", action="store_true",
+                        help="time decode attention's launch shapes at workload-like batches")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_kernel_check needs a CUDA GPU", file=sys.stderr)
@@ -292,6 +387,9 @@ def main() -> int:
     copy_bw = copy_bandwidth(args.iters)
     torch.cuda.empty_cache()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {copy_bw / 1e12:.2f} TB/s")
+    if args.attention_sweep:
+        attention_sweep(args.iters, copy_bw)
+        return 0
     rows, failures = [], 0
     for name, run in all_cases(args.iters, args.quick):
         if args.only and args.only not in name:

@@ -5,9 +5,12 @@
 #   bash scripts/gpu_run.sh                 # all stages
 #   bash scripts/gpu_run.sh tests offline   # only these, in this order
 #
-# Stages: kernels (Triton kernels vs torch references, timed), tests (GPU parity under CUDA
+# Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
+# launch shapes at workload-like batches), tests (GPU parity under CUDA
 # graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync: the
-# same without async scheduling; offprof: the same under cProfile), floor (that
+# same without async scheduling; offtemp: the same sampling at temperature 0.6, as
+# nano-vllm's own script does; offenv: the same once per environment assignment in
+# $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2; offprof: the same under cProfile), floor (that
 # workload's bandwidth floor, measured in the same run), hf (a slice of the workload through
 # bastion and transformers' continuous batching, with the ratio), latency (Llama-3.1-8B
 # architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite
@@ -115,11 +118,21 @@ for s in $STAGES; do
   case $s in
     kernels) stage kernels 60 'FAIL|ERR|copy|GB/s|attention' -- \
       $PY scripts/gpu_kernel_check.py --quick --iters 30 ;;
+    attnsweep) stage attnsweep 240 'copy|step|^ *[0-9]' -- \
+      $PY scripts/gpu_kernel_check.py --attention-sweep --iters 30 ;;
     tests) stage tests 150 'passed|failed|error|bf16:' -- \
-      $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu -m gpu ;;
+      $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu tests/test_triton_kernels.py -m gpu ;;
     offline) stage offline 150 'workload|bastion|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf ;;
+    offenv) stage offenv 240 'environment|workload|bastion LLM|Error|error' -- bash -c \
+      "for e in ${OFFLINE_ENVS:-BASTION_DECODE_ATTENTION_CONFIG=64,4,2 BASTION_DECODE_ATTENTION_CONFIG=64,4,3}; do \
+      echo \"environment \$e\"; env \$e $PY scripts/bench_offline.py --model $QWEN \
+      --load-format dummy --dtype bfloat16 $NANO --temperature 0 --max-num-batched-tokens 16384 \
+      --skip-hf; done" ;;
+    offtemp) stage offtemp 150 'workload|bastion|Error|error' -- \
+      $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
+      --temperature 0.6 --max-num-batched-tokens 16384 --skip-hf ;;
     offsync) stage offsync 150 'workload|bastion|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf --no-async-scheduling ;;
@@ -127,7 +140,7 @@ for s in $STAGES; do
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf --cprofile ;;
     gpuprof) stage gpuprof 150 'torch profile|Self CUDA|Name|^ *[a-z_].*[0-9]+\.[0-9]+(us|ms)|bastion|Error' -- bash -c \
-      "for w in 60:5 400:5 800:5; do $PY scripts/bench_offline.py --model $QWEN --load-format dummy \
+      "for w in ${PROF_POINTS:-60:5 400:5 800:5}; do $PY scripts/bench_offline.py --model $QWEN --load-format dummy \
       --dtype bfloat16 $NANO --temperature 0 --max-num-batched-tokens 16384 --skip-hf \
       --torch-profile \$w; done" ;;
     floor) stage floor 40 'floor|Error' -- \

@@ -34,6 +34,7 @@ _KERNEL_MODULES = [
     "bastion.ops.triton.fused_add_rms_norm",
     "bastion.ops.triton.rotary",
     "bastion.ops.triton.silu_and_mul",
+    "bastion.ops.triton.sample",
 ]
 
 
@@ -69,6 +70,7 @@ rms_norm_triton = _K["rms_norm"].rms_norm_triton
 fused_add_rms_norm_triton = _K["fused_add_rms_norm"].fused_add_rms_norm_triton
 apply_rotary_emb_triton = _K["rotary"].apply_rotary_emb_triton
 silu_and_mul_triton = _K["silu_and_mul"].silu_and_mul_triton
+sample_tokens_triton = _K["sample"].sample_tokens_triton
 
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -140,6 +142,7 @@ def _check_attention(
     device: torch.device = CPU,
     num_pad_tokens: int = 0,
     atol: float = 2e-5,
+    config: object = None,
 ) -> None:
     meta, k_cache, v_cache, new_k, new_v = _build_batch(
         q_lens, ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, num_pad_tokens
@@ -148,7 +151,8 @@ def _check_attention(
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(new_k.shape[0], num_heads, head_dim, generator=gen).to(dtype).to(device)
     scale = head_dim**-0.5
-    out = paged_attention_triton(query, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    out = paged_attention_triton(query, k_cache, v_cache, meta, scale, num_splits=num_splits,
+                                 config=config)
     num_real = meta.query_start_loc_cpu[-1]
     # The reference runs in float32 on the same (rounded) inputs, so bf16 runs are judged
     # against the exact result rather than against a second bf16 approximation.
@@ -172,12 +176,32 @@ def test_attention_mixed_prefill_decode_with_cached_prefix(num_splits: int) -> N
     )  # fmt: skip
 
 
+def test_attention_prefill_with_a_larger_query_block() -> None:
+    # 128-row query blocks (64 tokens x 2 heads): sequences shorter and longer than a block.
+    config = _K["unified_attention"].KernelConfig(32, 8, 2, block_m=128)
+    _check_attention(
+        q_lens=[70, 1, 5, 130], ctx_lens=[0, 12, 40, 3], num_heads=4, num_kv_heads=2,
+        head_dim=16, block_size=8, num_splits=1, config=config,
+    )  # fmt: skip
+
+
 def test_attention_odd_group_and_head_dim() -> None:
     # 3 query heads per KV head (rows of a 16-row tile that fall past BLOCK_Q are masked) and a
     # head dim that is not a power of two (padded to 32 inside the kernel).
     _check_attention(
         q_lens=[5, 1, 11], ctx_lens=[4, 20, 6], num_heads=6, num_kv_heads=2,
         head_dim=24, block_size=4, num_splits=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_attention_decode_batch_with_graph_padding_rows(num_splits: int) -> None:
+    # A decode batch as the CUDA-graph runner pads it: the last two sequences are empty
+    # (query_start_loc stays put, seq_len 0) and their tokens have slot -1. Decode launches one
+    # program per sequence (no search for its query block); empty ones must write nothing.
+    _check_attention(
+        q_lens=[1, 1, 1, 0, 0], ctx_lens=[0, 33, 17, 0, 0], num_heads=6, num_kv_heads=2,
+        head_dim=32, block_size=8, num_splits=num_splits, num_pad_tokens=2,
     )  # fmt: skip
 
 
@@ -193,10 +217,11 @@ def test_attention_decode_auto_split_long_context(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(mod, "merge_attention_splits_triton", counting_merge)
     _check_attention(
-        q_lens=[1, 1, 1], ctx_lens=[150, 3, 64], num_heads=8, num_kv_heads=1,
+        q_lens=[1, 1, 1], ctx_lens=[600, 3, 64], num_heads=8, num_kv_heads=1,
         head_dim=16, block_size=16, num_splits=None,
     )  # fmt: skip
-    assert len(seen_splits) == 1 and seen_splits[0] > 1
+    # Contexts up to 601 keys: two splits of at least 256 keys each, no more.
+    assert seen_splits == [2]
 
 
 def test_attention_rejects_bad_inputs() -> None:
@@ -292,6 +317,84 @@ def test_rotary_matches_reference(is_neox_style: bool, rot_dim: int) -> None:
         assert torch.equal(tail, query.reshape(num_tokens, num_q_heads, head_dim)[..., rot_dim:])
 
 
+def _check_norm_rope_store(rot_dim: int, dtype: torch.dtype, device: torch.device,
+                           atol: float) -> None:
+    """Qwen3's attention input in one kernel: per-head q/k RMSNorm, rotary, then k and v into
+    the paged cache at their slots (one padding token with slot -1 stores nothing)."""
+    num_tokens, num_q_heads, num_kv_heads, head_dim, block_size = 5, 6, 2, 32, 4
+    gen = torch.Generator().manual_seed(3)
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype).to(device)
+    query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)  # strided views
+    q_w = (1 + torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    k_w = (1 + torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    positions = torch.tensor([0, 1, 7, 30, 63], dtype=torch.int64, device=device)
+    slots = torch.tensor([9, 2, -1, 23, 12], dtype=torch.int64, device=device)
+    cos_sin = _cos_sin_cache(64, rot_dim).to(device)
+    caches = [torch.randn(8, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+              .to(device) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    fused = {"q_weight": q_w, "k_weight": k_w, "eps": 1e-6, "value": value,
+             "slot_mapping": slots}
+    q_out, k_out = apply_rotary_emb_triton(positions, query, key, cos_sin, head_dim,
+                                           k_cache=caches[0], v_cache=caches[1], **fused)
+    q_ref, k_ref = apply_rotary_emb_ref(positions, query.float(), key.float(), cos_sin, head_dim,
+                                        k_cache=ref_caches[0], v_cache=ref_caches[1], **fused)
+    torch.testing.assert_close(q_out.float(), q_ref.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(k_out.float(), k_ref.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(caches[0].float(), ref_caches[0].float(), atol=atol, rtol=0)
+    assert torch.equal(caches[1], ref_caches[1])  # values are copied exactly
+    flat_k = caches[0].view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[23], k_out[3].view(num_kv_heads, head_dim))
+    untouched = [s for s in range(32) if s not in (9, 2, 23, 12)]
+    before = ref_caches[0].view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("rot_dim", [32, 16])
+def test_rotary_fused_with_qk_norm_and_kv_store(rot_dim: int) -> None:
+    _check_norm_rope_store(rot_dim, torch.float32, CPU, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- sampling (CPU)
+
+
+def test_sample_greedy_rows_are_argmax_first_index_on_ties() -> None:
+    logits = torch.randn(5, 37)
+    logits[1, 3] = logits[1, 30] = logits[1].max() + 1  # a tie: the first index wins
+    logits[2] = float("-inf")  # nothing allowed: token 0, as torch.argmax gives
+    logits[3, 36] = 50.0  # the last column, in the second 32-wide chunk
+    zeros = torch.zeros(5)
+    tokens = sample_tokens_triton(logits, zeros, torch.arange(5))
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert tokens[1] == 3 and tokens[3] == 36
+
+
+def test_sample_draws_follow_softmax_over_temperature() -> None:
+    # 500 rows of the same logits, each with its own seed: the token frequencies must match
+    # softmax(x / T) within 0.07 (3 standard deviations; T = 1 instead of 0.7 would be off by
+    # 0.1; fixed seeds: the outcome is deterministic, not flaky). One token is masked (-inf)
+    # and must never be drawn; a greedy row in the batch stays an argmax.
+    x = torch.tensor([2.0, 1.0, 0.5, float("-inf"), 0.0, -1.0, 1.5, 0.2])
+    n, temp = 500, 0.7
+    logits = x.expand(n, -1).clone()
+    temperature = torch.full((n,), temp)
+    temperature[0] = 0.0
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 + 11
+    tokens = sample_tokens_triton(logits, temperature, seeds)
+    assert tokens[0] == 0
+    freq = torch.bincount(tokens[1:], minlength=8).float() / (n - 1)
+    expected = torch.softmax(x / temp, dim=-1)
+    assert freq[3] == 0
+    assert (freq - expected).abs().max() < 0.07, (freq, expected)
+    # The same seeds give the same tokens; other seeds give other draws.
+    few = slice(0, 40)
+    again = sample_tokens_triton(logits[few], temperature[few], seeds[few])
+    assert torch.equal(again, tokens[few])
+    assert not torch.equal(sample_tokens_triton(logits[few], temperature[few], seeds[few] + 1),
+                           tokens[few])
+
+
 # ----------------------------------------------------------------------------- activation (CPU)
 
 
@@ -328,7 +431,8 @@ def test_gpu_attention_mixed_prefill_qwen3_shape() -> None:
 @requires_cuda
 def test_gpu_elementwise_kernels_bf16() -> None:
     dt = torch.bfloat16
-    x, res, w = (torch.randn(256, 1024, device=_DEV, dtype=dt) for _ in range(3))
+    x, res = (torch.randn(256, 1024, device=_DEV, dtype=dt) for _ in range(2))
+    w = torch.randn(1024, device=_DEV, dtype=dt)
     torch.testing.assert_close(
         rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=3e-2, rtol=2e-2
     )
@@ -348,3 +452,46 @@ def test_gpu_elementwise_kernels_bf16() -> None:
     q_ref, k_ref = apply_rotary_emb_ref(pos, q.clone(), k.clone(), cache, 128)
     torch.testing.assert_close(q_out, q_ref, atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(k_out, k_ref, atol=3e-2, rtol=2e-2)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("rot_dim", [32, 16])
+def test_gpu_rotary_fused_with_qk_norm_and_kv_store_bf16(rot_dim: int) -> None:
+    # bf16 against the float32 reference: the kernel rounds the normed heads to bf16 before
+    # rotating them, as the unfused kernels did.
+    _check_norm_rope_store(rot_dim, torch.bfloat16, _DEV, atol=6e-2)
+
+
+@gpu
+@requires_cuda
+def test_gpu_sampler_fused_path_real_vocab() -> None:
+    from bastion.core.sampler import Sampler, SamplingMetadata, greedy_tokens, make_generator
+    from bastion.ipc.messages import SamplingParams
+
+    gen = torch.Generator(device=_DEV).manual_seed(0)
+    logits = torch.randn(256, 151936, device=_DEV, generator=gen).to(torch.bfloat16)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    # 20000 draws from one row's softmax(x / 0.6) match it within 0.01 (3 std).
+    x = torch.randn(16, device=_DEV, generator=gen)
+    many = x.expand(20000, -1).contiguous()
+    temps = torch.full((20000,), 0.6, device=_DEV)
+    seeds = torch.randint(0, 1 << 62, (20000,), device=_DEV, generator=gen)
+    freq = torch.bincount(sample_tokens_triton(many, temps, seeds), minlength=16).float() / 20000
+    assert (freq - torch.softmax(x / 0.6, dim=-1)).abs().max() < 0.01
+    # Through the Sampler: a plain batch takes the fused path; a seeded row's token depends on
+    # its seed and logits only, not on its companions.
+    params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0)]
+
+    def draw(rows: list[int]) -> list[int]:
+        meta = SamplingMetadata.build(
+            [params[r] for r in rows], [[0]] * len(rows), [[0]] * len(rows),
+            [make_generator(5, _DEV) if r == 0 else None for r in rows], [None] * len(rows),
+            _DEV, logits.shape[1])
+        assert meta.draws_plainly
+        return Sampler()(logits[rows], meta).sampled_token_ids.tolist()
+
+    first = draw([0, 1, 2])
+    assert first[1] == int(logits[1].argmax())
+    assert draw([2, 0])[1] == first[0] == draw([0])[0]

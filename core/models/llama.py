@@ -50,12 +50,14 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # One kernel: q/k norms (Qwen3), rotary, and the store of k and v in the KV cache.
+        # It reads q, k and v in place from the fused output.
+        fused = self.attn.kv_store_args(v)
         if self.q_norm is not None:
-            # Per-head views of the fused output: the norm reads them in place (no copy).
-            q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+            fused.update(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
+                         eps=self.q_norm.eps)
+        q, k = self.rotary_emb(positions, q, k, **fused)
+        return self.o_proj(self.attn(q, k, v, kv_stored="k_cache" in fused))
 
 
 class LlamaMLP(nn.Module):

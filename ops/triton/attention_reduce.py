@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # it changes every step: no variant per count
 def _merge_attention_splits_kernel(
     out_ptr,  # [T, Hq, D]
     part_out_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] float32

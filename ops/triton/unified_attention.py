@@ -15,7 +15,8 @@ running max and running sum, and ``attention_reduce`` merges them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -26,12 +27,49 @@ if TYPE_CHECKING:
     from bastion.core.forward_context import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-# Above this many programs per KV head the grid already fills an H200 (132 SMs) several times.
-_TARGET_PROGRAMS = 4 * 132
+# Decode splits the context until the grid has about this many programs. Two or three run on
+# each of an H200's 132 SMs at a time; a grid of a few waves keeps the last one from idling most
+# SMs (41 sequences x 8 KV heads over 1.4k context: 78 us with 4 splits against 88 us with 1).
+_TARGET_PROGRAMS = 12 * 132
 _MAX_SPLITS = 16
+_MIN_SPLIT_KEYS = 256
 
 
-@triton.jit
+class KernelConfig(NamedTuple):
+    """Launch shape of one attention call: keys per loop step, warps, pipeline stages, and rows
+    of a program's query block (query tokens x the query heads of one KV head; prefill only:
+    decode uses the smallest tile the dot allows)."""
+
+    tile: int
+    num_warps: int
+    num_stages: int
+    block_m: int = 64
+
+
+def _config(env: str, default: KernelConfig) -> KernelConfig:
+    """``default``, or ``tile,warps,stages[,block_m]`` from the environment variable ``env`` (for
+    benchmarks that compare launch shapes inside the whole engine)."""
+    value = os.environ.get(env, "").strip()
+    if not value:
+        return default
+    try:
+        return KernelConfig(*(int(v) for v in value.split(",")))
+    except (TypeError, ValueError):
+        raise ValueError(f"{env} must be 'tile,num_warps,num_stages[,block_m]'; got "
+                         f"{value!r}") from None
+
+
+# decode at 256 x 1.1k context: 319 us with 64-key tiles against 377 us with 32 (H200, bf16).
+DECODE_CONFIG = _config("BASTION_DECODE_ATTENTION_CONFIG", KernelConfig(64, 4, 3))
+# prefill: 128-row query blocks and 8 warps measured 23,277 / 23,243 tok/s against 23,193 /
+# 23,201 with 64 rows and 4 warps (offline nano-vllm workload, same H200, alternating runs).
+PREFILL_CONFIG = _config("BASTION_PREFILL_ATTENTION_CONFIG", KernelConfig(64, 8, 3, 128))
+
+
+# NOTE: Triton compiles a variant per integer argument that is 1, a multiple of 16 or neither.
+# The batch's sequence count and block-table width change every step, and a compile in the middle
+# of serving costs ~1 s, so those two are not specialised on.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _unified_attention_kernel(
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
     part_out_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] float32, written when NUM_SPLITS > 1
@@ -64,27 +102,36 @@ def _unified_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Sequence i owns query blocks [qsl[i] // BLOCK_Q + i, ...): a strictly increasing start
-    # that needs no host-side prefix sum (so the launch is CUDA-graph safe). Binary search it.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if mid_start <= q_block_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq_idx = lo - 1
+    if DECODE:
+        # At most one new token per sequence: program i is sequence i's only query block.
+        seq_idx = q_block_id
+    else:
+        # Sequence i owns query blocks [qsl[i] // BLOCK_Q + i, ...): a strictly increasing
+        # start that needs no host-side prefix sum (so the launch is CUDA-graph safe). Binary
+        # search it. NOTE: decode skips this: its log2(B) dependent loads delay every program.
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if mid_start <= q_block_id:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq_idx = lo - 1
 
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
-    q_block_local = q_block_id - (q_start // BLOCK_Q + seq_idx)
+    if DECODE:
+        q_block_local = 0
+    else:
+        q_block_local = q_block_id - (q_start // BLOCK_Q + seq_idx)
     # NOTE: the grid is an upper bound on the number of query blocks; spare programs exit here.
     if q_block_local * BLOCK_Q >= q_len:
         return
@@ -177,13 +224,20 @@ def _unified_attention_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
-def _pick_num_splits(num_q_blocks: int, num_kv_heads: int, max_query_len: int) -> int:
-    # Split only decode-like batches: a prefill block already has plenty of work, and the
-    # choice must not depend on context lengths so that a captured CUDA graph stays valid.
-    if max_query_len > 16:
+def _pick_num_splits(num_q_blocks: int, num_kv_heads: int, max_query_len: int,
+                     max_seq_len: int) -> int:
+    # Split only decode batches: a prefill block already has plenty of work (and every split
+    # count is a kernel variant to compile: decode sees only those of the captured batch sizes).
+    # The choice must not depend on the step's context lengths so that a captured CUDA graph
+    # stays valid: ``max_seq_len`` is the bound the graph was captured for (a power of two
+    # keeps eager runs, where it is the batch's longest context, to a few variants).
+    if max_query_len > 1:
         return 1
     programs = max(num_q_blocks * num_kv_heads, 1)
-    return max(1, min(_MAX_SPLITS, _TARGET_PROGRAMS // programs))
+    # A split of fewer than _MIN_SPLIT_KEYS keys is not worth its merge (Llama-3.1-8B, batch 8,
+    # 160-token contexts: 657 ms a batch with 16 splits against 635 ms with 8).
+    by_length = 1 << max(0, (max_seq_len // _MIN_SPLIT_KEYS).bit_length() - 1)
+    return max(1, min(_MAX_SPLITS, by_length, _TARGET_PROGRAMS // programs))
 
 
 def _check_inputs(
@@ -226,6 +280,7 @@ def paged_attention_triton(
     scale: float,
     *,
     num_splits: int | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` [T, Hq, D] over the paged cache; returns [T, Hq, D].
 
@@ -233,6 +288,7 @@ def paged_attention_triton(
     ([num_blocks, block_size, Hk, D]). ``num_splits`` forces the number of context splits
     (default: chosen from the batch shape only, never from context lengths, so CUDA-graph
     capture stays valid). Rows of padding tokens past ``query_start_loc[-1]`` come back as 0.
+    ``config`` overrides the launch shape (benchmarks sweep it).
     """
     _check_inputs(query, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = query.shape
@@ -242,13 +298,16 @@ def paged_attention_triton(
 
     num_q_per_kv = num_heads // num_kv_heads
     is_decode = meta.max_query_len <= 1
-    block_m = max(16, triton.next_power_of_2(num_q_per_kv)) if is_decode else 64
+    if config is None:
+        config = DECODE_CONFIG if is_decode else PREFILL_CONFIG
+    block_m = 16 if is_decode else config.block_m
     block_m = max(block_m, triton.next_power_of_2(num_q_per_kv))
     block_q = block_m // num_q_per_kv
-    tile = 64  # decode at 256 x 1.1k context: 319 us against 377 us with 32 (H200, bf16)
-    num_q_blocks = num_tokens // block_q + num_seqs
+    # Decode: one program per sequence. Otherwise an upper bound on the query blocks.
+    num_q_blocks = num_seqs if is_decode else num_tokens // block_q + num_seqs
     if num_splits is None:
-        num_splits = _pick_num_splits(num_q_blocks, num_kv_heads, meta.max_query_len)
+        num_splits = _pick_num_splits(num_q_blocks, num_kv_heads, meta.max_query_len,
+                                      meta.max_seq_len)
     head_pad = max(16, triton.next_power_of_2(head_dim))
 
     out = torch.empty_like(query)
@@ -275,9 +334,9 @@ def paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         bt.stride(0),
         NUM_Q_PER_KV=num_q_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, TILE=tile, KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        IEEE_DOT=query.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        HEAD_PAD=head_pad, TILE=config.tile, KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        IEEE_DOT=query.dtype == torch.float32, DECODE=is_decode,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_attention_splits_triton(out, part_out, part_ml, meta.query_start_loc, num_seqs)

@@ -31,8 +31,19 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` [T, Hq*D], ``k``/``v`` [T, Hk*D] -> [T, Hq*D]."""
+    def kv_store_args(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What ``apply_rotary_emb`` needs to store this step's keys and ``v`` in this layer's
+        cache as it rotates them (empty when nothing is stored: no context or no cache)."""
+        meta = get_forward_context()
+        if meta is None or self.k_cache.numel() == 0:
+            return {}
+        return {"value": v, "k_cache": self.k_cache, "v_cache": self.v_cache,
+                "slot_mapping": meta.slot_mapping}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_stored: bool = False) -> torch.Tensor:
+        """``q`` [T, Hq*D], ``k``/``v`` [T, Hk*D] -> [T, Hq*D]. ``kv_stored``: the caller
+        already stored ``k``/``v`` in the cache (fused into its rotary kernel)."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -43,6 +54,7 @@ class Attention(nn.Module):
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                 scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
         else:
-            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if not kv_stored:
+                store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

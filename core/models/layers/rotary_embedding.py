@@ -66,10 +66,11 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.float32)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                **fused: torch.Tensor | float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fused``: the per-head norm and KV-store extras of ``apply_rotary_emb``."""
         return apply_rotary_emb(positions, query, key, self.cos_sin_cache, self.head_size,
-                                self.is_neox_style)
+                                self.is_neox_style, **fused)
 
 
 def get_rope(config: PretrainedConfig, head_size: int, max_position: int) -> RotaryEmbedding:
