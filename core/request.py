@@ -45,6 +45,10 @@ class Request:
         self.block_hashes: list[int] = []  # chain hashes of this request's full blocks
         self.num_preemptions = 0
         self.pending_logprobs: list[Logprobs] = []
+        # Prompt plus max_tokens; the scheduler lowers it to its max_model_len on admission.
+        max_tokens = params.max_tokens
+        self.max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None
+                               else 1 << 62)
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:

@@ -58,6 +58,7 @@ class Scheduler:
                                                   error=error))
             return
         self.requests[request.request_id] = request
+        request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         self._enqueue(request)
 
     def _admission_error(self, request: Request) -> str | None:
@@ -124,14 +125,15 @@ class Scheduler:
         preempted = False
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if (request.num_output_placeholders
-                    and self._at_length_limit(request, request.num_output_placeholders)):
+        running = self.running
+        while index < len(running) and budget > 0:
+            request = running[index]
+            # NOTE: this loop runs once per running request per step: plain attribute reads.
+            num_known = len(request.all_token_ids) + request.num_output_placeholders
+            if request.num_output_placeholders and num_known >= request.max_num_tokens:
                 index += 1  # its last token is already in flight; the next update finishes it
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders
-                          - request.num_computed_tokens, budget)
+            num_new = min(num_known - request.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._pick_victim(self.running[index:])
@@ -189,13 +191,11 @@ class Scheduler:
         self.finished_ids = []
         return out
 
-    def _at_length_limit(self, request: Request, num_in_flight: int = 0) -> bool:
+    @staticmethod
+    def _at_length_limit(request: Request, num_in_flight: int = 0) -> bool:
         """Whether the request's tokens, plus ``num_in_flight`` not known yet, reach
         max_tokens or max_model_len (then scheduling it again would pass its end)."""
-        max_tokens = request.sampling_params.max_tokens
-        return ((max_tokens is not None
-                 and request.num_output_tokens + num_in_flight >= max_tokens)
-                or request.num_tokens + num_in_flight >= self.max_model_len)
+        return len(request.all_token_ids) + num_in_flight >= request.max_num_tokens
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         # Only requests not yet scheduled this step are candidates (``candidates`` starts at the
@@ -223,36 +223,34 @@ class Scheduler:
                            result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self.rejected = self.rejected, []
         scheduled = self.scheduled.pop(sched.step_id, {})
-        for i, request_id in enumerate(result.request_ids):
+        requests, logprobs_rows = self.requests, result.logprobs
+        for i, (request_id, token_id) in enumerate(zip(result.request_ids,
+                                                       result.sampled_token_ids)):
             request = scheduled.get(request_id)
-            if request is None or self.requests.get(request_id) is not request:
+            if request is None or requests.get(request_id) is not request:
                 continue  # finished or aborted while the step ran
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             # NOTE: a request preempted while this step ran keeps the token: its KV was intact
             # when the step computed it, and its recompute will include it.
-            token_id = result.sampled_token_ids[i]
             request.append_output_token(token_id)
             self._check_stop(request, token_id)
-            logprobs = result.logprobs[i] if i < len(result.logprobs) else None
             outputs.append(EngineCoreOutput(
                 request_id, [token_id], request.finish_reason, request.stop_reason,
-                max(request.num_cached_tokens, 0), logprobs))
-            if request.is_finished:
+                max(request.num_cached_tokens, 0),
+                logprobs_rows[i] if i < len(logprobs_rows) else None))
+            if request.status == RequestStatus.FINISHED:
                 self._remove(request)
         outputs.extend(self.expire_deadlines())
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id == request.eos_token_id:
-                request.finish(FinishReason.STOP)
-                return
-            if token_id in params.stop_token_ids:
-                request.finish(FinishReason.STOP, stop_reason=token_id)
-                return
-        if self._at_length_limit(request):
+        is_eos = token_id == request.eos_token_id and not params.ignore_eos
+        if ((is_eos or token_id in params.stop_token_ids)
+                and request.num_output_tokens >= params.min_tokens):
+            request.finish(FinishReason.STOP, stop_reason=None if is_eos else token_id)
+        elif self._at_length_limit(request):
             request.finish(FinishReason.LENGTH)
 
     def expire_deadlines(self) -> list[EngineCoreOutput]:

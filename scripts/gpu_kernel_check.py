@@ -195,17 +195,22 @@ def case_fused_add_rms_norm(num_tokens: int, iters: int) -> Row:
     return row
 
 
+def _rotary_inputs(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3's cos/sin table (theta 1e6, 40960 positions), a QKV output and positions."""
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D)
+    freqs = torch.outer(torch.arange(40960, dtype=torch.float32, device=DEV), inv_freq)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qkv = torch.randn(num_tokens, (HQ + 2 * HK) * D, dtype=BF16, device=DEV)
+    return cache, qkv, torch.randint(0, 40960, (num_tokens,), device=DEV)
+
+
 def case_rotary(num_tokens: int, iters: int) -> Row:
     from bastion.ops.rotary import apply_rotary_emb_ref
     from bastion.ops.triton.rotary import apply_rotary_emb_triton
 
     row = Row("rotary", f"T={num_tokens} Hq={HQ} Hk={HK} D={D}")
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D)
-    freqs = torch.outer(torch.arange(40960, dtype=torch.float32, device=DEV), inv_freq)
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    qkv = torch.randn(num_tokens, (HQ + 2 * HK) * D, dtype=BF16, device=DEV)
+    cache, qkv, pos = _rotary_inputs(num_tokens)
     q, k = qkv[:, : HQ * D], qkv[:, HQ * D : (HQ + HK) * D]
-    pos = torch.randint(0, 40960, (num_tokens,), device=DEV)
     q_out, k_out = apply_rotary_emb_triton(pos, q, k, cache, D)
     q_ref, k_ref = apply_rotary_emb_ref(pos, q, k, cache, D)
     row.max_err = max(max_err(q_out, q_ref), max_err(k_out, k_ref))
@@ -221,12 +226,8 @@ def case_norm_rope_store(num_tokens: int, iters: int) -> Row:
     from bastion.ops.triton.rotary import apply_rotary_emb_triton
 
     row = Row("norm_rope_store", f"T={num_tokens} Hq={HQ} Hk={HK} D={D} bs={BLOCK}")
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D)
-    freqs = torch.outer(torch.arange(40960, dtype=torch.float32, device=DEV), inv_freq)
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    qkv = torch.randn(num_tokens, (HQ + 2 * HK) * D, dtype=BF16, device=DEV)
+    cache, qkv, pos = _rotary_inputs(num_tokens)
     q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
-    pos = torch.randint(0, 40960, (num_tokens,), device=DEV)
     num_blocks = num_tokens // BLOCK * 2 + 8
     caches = [torch.zeros(num_blocks, BLOCK, HK, D, dtype=BF16, device=DEV) for _ in range(4)]
     slots = torch.randperm(num_blocks * BLOCK, device=DEV)[:num_tokens]
