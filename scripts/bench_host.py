@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from bastion.core.config import build_engine_config  # noqa: E402
-from bastion.core.engine_core import EngineCore  # noqa: E402
-from bastion.core.output_processor import OutputProcessor  # noqa: E402
-from bastion.ipc.messages import (  # noqa: E402
+from bastion.core.config import build_engine_config
+from bastion.core.engine_core import EngineCore
+from bastion.core.output_processor import OutputProcessor
+from bastion.ipc.messages import (
     EngineCoreRequest,
     ModelRunnerOutput,
     SamplingParams,

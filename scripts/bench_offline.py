@@ -158,7 +158,7 @@ def _count_new_kernel_variants() -> dict[str, int]:
         return counter
     previous = knobs.runtime.jit_post_compile_hook
 
-    def hook(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def hook(*args, **kwargs):
         counter["n"] += 1
         return previous(*args, **kwargs) if previous else None
 

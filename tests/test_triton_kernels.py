@@ -185,6 +185,41 @@ def test_attention_prefill_with_a_larger_query_block() -> None:
     )  # fmt: skip
 
 
+def test_attention_shrinks_a_launch_shape_that_does_not_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU with less shared memory than the H200 the shapes were tuned on: any launch with
+    # more than one pipeline stage fails. The call still succeeds (one stage), and the next
+    # call starts from the shape that fit.
+    from triton.runtime.errors import OutOfResources
+
+    mod = _K["unified_attention"]
+    stages_tried: list[int] = []
+
+    class SmallGPU:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            launch = real[grid]
+
+            def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+                stages_tried.append(kwargs["num_stages"])
+                if kwargs["num_stages"] > 1:
+                    raise OutOfResources(196608, 101376, "shared memory")
+                return launch(*args, **kwargs)
+
+            return run
+
+    real = mod._unified_attention_kernel
+    monkeypatch.setattr(mod, "_unified_attention_kernel", SmallGPU())
+    monkeypatch.setattr(mod, "_FITTED", {})
+    config = mod.KernelConfig(32, 4, 3)
+    for _ in range(2):
+        _check_attention(
+            q_lens=[1, 6], ctx_lens=[9, 4], num_heads=4, num_kv_heads=2, head_dim=16,
+            block_size=4, num_splits=1, config=config,
+        )  # fmt: skip
+    assert stages_tried == [3, 2, 1, 1]
+    assert mod._FITTED == {config: mod.KernelConfig(32, 4, 1)}
+
+
 def test_attention_odd_group_and_head_dim() -> None:
     # 3 query heads per KV head (rows of a 16-row tile that fall past BLOCK_Q are masked) and a
     # head dim that is not a power of two (padded to 32 inside the kernel).

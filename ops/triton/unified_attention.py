@@ -15,6 +15,7 @@ running max and running sum, and ``attention_reduce`` merges them.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -22,9 +23,12 @@ import torch
 import triton
 import triton.language as tl
 from bastion.ops.triton.attention_reduce import merge_attention_splits_triton
+from triton.runtime.errors import OutOfResources
 
 if TYPE_CHECKING:
     from bastion.core.forward_context import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
 # Decode splits the context until the grid has about this many programs. Two or three run on
@@ -224,6 +228,19 @@ def _unified_attention_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
+# Launch shapes that did not fit this GPU -> the smaller shape that did.
+_FITTED: dict[KernelConfig, KernelConfig] = {}
+
+
+def _smaller(config: KernelConfig) -> KernelConfig | None:
+    """The next shape down in shared memory: fewer pipeline stages, then smaller key tiles."""
+    if config.num_stages > 1:
+        return config._replace(num_stages=config.num_stages - 1)
+    if config.tile > 16:
+        return config._replace(tile=config.tile // 2)
+    return None
+
+
 def _pick_num_splits(num_q_blocks: int, num_kv_heads: int, max_query_len: int,
                      max_seq_len: int) -> int:
     # Split only decode batches: a prefill block already has plenty of work (and every split
@@ -326,18 +343,32 @@ def paged_attention_triton(
     else:
         part_out = part_ml = out  # unused by the kernel
     grid = (num_q_blocks, num_kv_heads, num_splits)
-    _unified_attention_kernel[grid](
-        out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
-        meta.query_start_loc, scale * _LOG2E, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bt.stride(0),
-        NUM_Q_PER_KV=num_q_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, TILE=config.tile, KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        IEEE_DOT=query.dtype == torch.float32, DECODE=is_decode,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+    asked, config = config, _FITTED.get(config, config)
+    while True:
+        try:
+            _unified_attention_kernel[grid](
+                out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
+                meta.query_start_loc, scale * _LOG2E, num_seqs,
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                bt.stride(0),
+                NUM_Q_PER_KV=num_q_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
+                HEAD_DIM=head_dim, HEAD_PAD=head_pad, TILE=config.tile,
+                KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+                IEEE_DOT=query.dtype == torch.float32, DECODE=is_decode,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )  # fmt: skip
+            break
+        except OutOfResources as exc:
+            # The shapes are tuned on an H200 (228 KiB of shared memory a SM); a smaller GPU
+            # gets fewer pipeline stages, then smaller key tiles, once, remembered per shape.
+            smaller = _smaller(config)
+            if smaller is None:
+                raise
+            logger.warning("attention launch shape %s does not fit this GPU (%s); using %s",
+                           tuple(config), exc, tuple(smaller))
+            config = _FITTED[asked] = smaller
     if num_splits > 1:
         merge_attention_splits_triton(out, part_out, part_ml, meta.query_start_loc, num_seqs)
     return out
