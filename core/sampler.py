@@ -12,8 +12,8 @@ Order of operations (vLLM V1's, with its default "raw" logprobs mode):
    ``argmax(probs / Exp(1))``, which is an exact draw from ``probs`` without a CDF search.
 
 On a GPU, a batch with no processor before the draw (steps 2-3 and min_p, top-k, top-p unused,
-no logprobs) takes one fused Triton pass instead (``ops/triton/sample.py``): the same race in
-log space with Philox noise from a per-row seed, reading the logits once in their own dtype.
+no logprobs) and no seeded row takes one fused Triton pass instead (``ops/triton/sample.py``):
+the same race in log space with Philox noise, reading the logits once in their own dtype.
 
 NOTE: a seeded row draws its noise from its own ``torch.Generator`` (one per request, kept by the
 caller across steps), so its tokens depend only on its own logits and seed, never on its
@@ -318,14 +318,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
                  torch.zeros(num_rows, dtype=torch.int64, device=device))
 
 
-def _row_seeds(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
-    """One Philox seed per row for this step: seeded rows draw theirs from their own generator,
-    so their tokens depend only on their seed and logits; the rest from the global RNG."""
-    seeds = torch.randint(0, 1 << 62, (num_rows,), dtype=torch.int64, device=device)
-    for row, gen in meta.generators.items():
-        seeds[row] = torch.randint(0, 1 << 62, (1,), dtype=torch.int64, device=device,
-                                   generator=gen)[0]
-    return seeds
+def _row_seeds(num_rows: int, device: torch.device) -> torch.Tensor:
+    """One Philox seed per row for this step, from the global RNG."""
+    return torch.randint(0, 1 << 62, (num_rows,), dtype=torch.int64, device=device)
 
 
 class Sampler:
@@ -335,12 +330,15 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[1] != meta.vocab_size:
             raise ValueError(f"Sampler expects logits [N, {meta.vocab_size}], got "
                              f"{tuple(logits.shape)} (slice off lm_head padding first)")
-        fused = _fused_sampler() if use_triton(logits) and meta.draws_plainly else None
+        # NOTE: not with seeded rows: their noise must come from one path whatever the batch
+        # around them (the fused kernel's Philox noise differs from the generator's draws).
+        plain = meta.draws_plainly and not meta.generators
+        fused = _fused_sampler() if plain and use_triton(logits) else None
         if fused is not None:
             # One read of the logits on the GPU; the same distribution as ``sample`` below
             # (the noise comes from Philox instead of torch's generator).
             temperature = meta.temperature.masked_fill(meta.is_greedy, 0.0)
-            seeds = _row_seeds(meta, logits.shape[0], logits.device)
+            seeds = _row_seeds(logits.shape[0], logits.device)
             return SamplerOutput(fused(logits, temperature, seeds), None)
         logits = logits.float()
         raw_logprobs = (logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None

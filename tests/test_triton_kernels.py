@@ -353,10 +353,11 @@ def test_rotary_matches_reference(is_neox_style: bool, rot_dim: int) -> None:
 
 
 def _check_norm_rope_store(rot_dim: int, dtype: torch.dtype, device: torch.device,
-                           atol: float) -> None:
+                           atol: float, num_kv_heads: int = 2, head_dim: int = 32,
+                           is_neox: bool = True) -> None:
     """Qwen3's attention input in one kernel: per-head q/k RMSNorm, rotary, then k and v into
     the paged cache at their slots (one padding token with slot -1 stores nothing)."""
-    num_tokens, num_q_heads, num_kv_heads, head_dim, block_size = 5, 6, 2, 32, 4
+    num_tokens, num_q_heads, block_size = 5, 6, 4
     gen = torch.Generator().manual_seed(3)
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype).to(device)
@@ -371,10 +372,11 @@ def _check_norm_rope_store(rot_dim: int, dtype: torch.dtype, device: torch.devic
     ref_caches = [c.clone() for c in caches]
     fused = {"q_weight": q_w, "k_weight": k_w, "eps": 1e-6, "value": value,
              "slot_mapping": slots}
-    q_out, k_out = apply_rotary_emb_triton(positions, query, key, cos_sin, head_dim,
+    q_out, k_out = apply_rotary_emb_triton(positions, query, key, cos_sin, head_dim, is_neox,
                                            k_cache=caches[0], v_cache=caches[1], **fused)
     q_ref, k_ref = apply_rotary_emb_ref(positions, query.float(), key.float(), cos_sin, head_dim,
-                                        k_cache=ref_caches[0], v_cache=ref_caches[1], **fused)
+                                        is_neox, k_cache=ref_caches[0], v_cache=ref_caches[1],
+                                        **fused)
     torch.testing.assert_close(q_out.float(), q_ref.float(), atol=atol, rtol=0)
     torch.testing.assert_close(k_out.float(), k_ref.float(), atol=atol, rtol=0)
     torch.testing.assert_close(caches[0].float(), ref_caches[0].float(), atol=atol, rtol=0)
@@ -389,6 +391,12 @@ def _check_norm_rope_store(rot_dim: int, dtype: torch.dtype, device: torch.devic
 @pytest.mark.parametrize("rot_dim", [32, 16])
 def test_rotary_fused_with_qk_norm_and_kv_store(rot_dim: int) -> None:
     _check_norm_rope_store(rot_dim, torch.float32, CPU, atol=1e-5)
+
+
+def test_rotary_fused_gptj_style_odd_heads_and_head_dim() -> None:
+    # Interleaved pairs, 3 KV heads (padded to 4 inside the kernel), head dim 24 with 12 rotary.
+    _check_norm_rope_store(12, torch.float32, CPU, atol=1e-5, num_kv_heads=3, head_dim=24,
+                           is_neox=False)
 
 
 # ----------------------------------------------------------------------------- sampling (CPU)
@@ -428,6 +436,43 @@ def test_sample_draws_follow_softmax_over_temperature() -> None:
     assert torch.equal(again, tokens[few])
     assert not torch.equal(sample_tokens_triton(logits[few], temperature[few], seeds[few] + 1),
                            tokens[few])
+
+
+def test_sampler_takes_the_fused_pass_only_for_plain_unseeded_batches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Sampler's GPU branch, run on the CPU through the interpreted kernel: a plain batch
+    # (greedy and temperature rows) takes it, with greedy rows exact; a batch with a seeded row
+    # does not, so a seeded request's noise never depends on its companions.
+    from bastion.core import sampler as sampler_mod
+    from bastion.ipc.messages import SamplingParams
+
+    calls: list[tuple[list[float], int]] = []
+
+    def fused(logits, temperature, seeds):  # type: ignore[no-untyped-def]
+        calls.append((temperature.tolist(), seeds.shape[0]))
+        return sample_tokens_triton(logits, temperature, seeds)
+
+    monkeypatch.setattr(sampler_mod, "use_triton", lambda *t: True)
+    monkeypatch.setattr(sampler_mod, "_fused_sampler", lambda: fused)
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+
+    def draw(params: list[SamplingParams], seeded: bool = False) -> list[int]:
+        gens = [torch.Generator().manual_seed(9) if seeded and i == 0 else None
+                for i in range(len(params))]
+        meta = sampler_mod.SamplingMetadata.build(
+            params, [[0]] * len(params), [[0]] * len(params), gens, [None] * len(params),
+            CPU, 40)
+        return sampler_mod.Sampler()(logits[: len(params)], meta).sampled_token_ids.tolist()
+
+    plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+             SamplingParams(temperature=1.3)]
+    tokens = draw(plain)
+    assert calls == [([0.0, pytest.approx(0.7), pytest.approx(1.3)], 3)]
+    assert tokens[0] == int(logits[0].argmax())
+    draw([SamplingParams(temperature=0.8, seed=9)] + plain[1:], seeded=True)
+    draw([SamplingParams(temperature=0.7, top_p=0.9)] + plain[1:])
+    assert len(calls) == 1  # neither the seeded nor the top-p batch took the fused pass
+    assert sampler_mod.greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist()
 
 
 # ----------------------------------------------------------------------------- activation (CPU)
@@ -514,8 +559,8 @@ def test_gpu_sampler_fused_path_real_vocab() -> None:
     seeds = torch.randint(0, 1 << 62, (20000,), device=_DEV, generator=gen)
     freq = torch.bincount(sample_tokens_triton(many, temps, seeds), minlength=16).float() / 20000
     assert (freq - torch.softmax(x / 0.6, dim=-1)).abs().max() < 0.01
-    # Through the Sampler: a plain batch takes the fused path; a seeded row's token depends on
-    # its seed and logits only, not on its companions.
+    # Through the Sampler: a seeded row's token depends on its seed and logits only, not on its
+    # companions (a batch with a seeded row stays on the torch path).
     params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.0)]
 

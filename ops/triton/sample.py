@@ -42,8 +42,10 @@ def _sample_kernel(
         score = x.to(tl.float32) * inv_temp
         if not greedy:
             u = tl.rand(seed, idx)
-            # E = -log(1 - U) ~ Exp(1), floored so that E = 0 never turns a -inf into NaN.
-            e = tl.maximum(-tl.log(1.0 - u), 1.1754943508222875e-38)
+            # E = -log(U) ~ Exp(1). NOTE: not -log(1 - U): 1 - U rounds to 1 for U < 2^-25, and
+            # E = 0 would then put that token ~87/T above every other. U = 0 gives E = inf: the
+            # token cannot win. The floor only keeps a -inf logit from becoming NaN.
+            e = tl.maximum(-tl.log(u), 1.1754943508222875e-38)
             score = score - tl.log(e)
         # Strictly greater: within a lane the earliest index keeps a tie.
         take = score > best
@@ -61,7 +63,7 @@ def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor,
                          seeds: torch.Tensor) -> torch.Tensor:
     """``logits`` [N, V] (rows may be strided), ``temperature`` float32 [N] (0 = greedy),
     ``seeds`` int64 [N] -> int64 [N] tokens. A row's draw depends only on its logits, its
-    temperature and its seed."""
+    temperature and its seed (the Sampler draws the seeds from the global RNG)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [N, V] with unit column stride; got {tuple(logits.shape)}")
     num_rows, vocab_size = logits.shape

@@ -303,8 +303,10 @@ def paged_attention_triton(
 
     The K/V of the new tokens must already be stored in ``k_cache``/``v_cache``
     ([num_blocks, block_size, Hk, D]). ``num_splits`` forces the number of context splits
-    (default: chosen from the batch shape only, never from context lengths, so CUDA-graph
-    capture stays valid). Rows of padding tokens past ``query_start_loc[-1]`` come back as 0.
+    (default: from the batch shape and ``meta.max_seq_len``, never from the step's context
+    lengths: under CUDA graphs that is the captured bound, so a graph stays valid; an eager
+    decode batch passes its longest context, which meets at most five split counts, rounded to
+    powers of two). Rows of padding tokens past ``query_start_loc[-1]`` come back as 0.
     ``config`` overrides the launch shape (benchmarks sweep it).
     """
     _check_inputs(query, k_cache, v_cache, meta)
