@@ -143,10 +143,13 @@ def _check_attention(
     num_pad_tokens: int = 0,
     atol: float = 2e-5,
     config: object = None,
+    max_seq_len: int | None = None,
 ) -> None:
     meta, k_cache, v_cache, new_k, new_v = _build_batch(
         q_lens, ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, num_pad_tokens
     )
+    if max_seq_len is not None:  # a CUDA graph's captured bound, above the real contexts
+        meta.max_seq_len = max_seq_len
     store_kvcache_ref(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(new_k.shape[0], num_heads, head_dim, generator=gen).to(dtype).to(device)
@@ -238,6 +241,25 @@ def test_attention_decode_batch_with_graph_padding_rows(num_splits: int) -> None
         q_lens=[1, 1, 1, 0, 0], ctx_lens=[0, 33, 17, 0, 0], num_heads=6, num_kv_heads=2,
         head_dim=32, block_size=8, num_splits=num_splits, num_pad_tokens=2,
     )  # fmt: skip
+
+
+def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under CUDA graphs the split count follows the captured bound (here 4096 keys: 16 splits)
+    # while the real contexts are short: most splits see no key and must not contribute.
+    mod = _K["unified_attention"]
+    merge, seen_splits = mod.merge_attention_splits_triton, []
+
+    def counting_merge(out, part_out, *args):  # type: ignore[no-untyped-def]
+        seen_splits.append(part_out.shape[2])
+        return merge(out, part_out, *args)
+
+    monkeypatch.setattr(mod, "merge_attention_splits_triton", counting_merge)
+    _check_attention(
+        q_lens=[1, 1, 0], ctx_lens=[70, 0, 0], num_heads=4, num_kv_heads=2, head_dim=16,
+        block_size=8, num_splits=None, num_pad_tokens=1, max_seq_len=4096,
+    )  # fmt: skip
+    assert seen_splits == [16]
 
 
 def test_attention_decode_auto_split_long_context(monkeypatch: pytest.MonkeyPatch) -> None:
