@@ -128,12 +128,11 @@ class Scheduler:
         running = self.running
         while index < len(running) and budget > 0:
             request = running[index]
-            # NOTE: this loop runs once per running request per step: plain attribute reads.
-            num_known = len(request.all_token_ids) + request.num_output_placeholders
-            if request.num_output_placeholders and num_known >= request.max_num_tokens:
+            in_flight = request.num_output_placeholders
+            if in_flight and self._at_length_limit(request, in_flight):
                 index += 1  # its last token is already in flight; the next update finishes it
                 continue
-            num_new = min(num_known - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + in_flight - request.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._pick_victim(self.running[index:])

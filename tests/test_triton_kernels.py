@@ -243,10 +243,8 @@ def test_attention_decode_batch_with_graph_padding_rows(num_splits: int) -> None
     )  # fmt: skip
 
 
-def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # Under CUDA graphs the split count follows the captured bound (here 4096 keys: 16 splits)
-    # while the real contexts are short: most splits see no key and must not contribute.
+def _count_merged_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The split count of every launch that merged splits, in order (a list filled later)."""
     mod = _K["unified_attention"]
     merge, seen_splits = mod.merge_attention_splits_triton, []
 
@@ -255,6 +253,14 @@ def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
         return merge(out, part_out, *args)
 
     monkeypatch.setattr(mod, "merge_attention_splits_triton", counting_merge)
+    return seen_splits
+
+
+def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under CUDA graphs the split count follows the captured bound (here 4096 keys: 16 splits)
+    # while the real contexts are short: most splits see no key and must not contribute.
+    seen_splits = _count_merged_splits(monkeypatch)
     _check_attention(
         q_lens=[1, 1, 0], ctx_lens=[70, 0, 0], num_heads=4, num_kv_heads=2, head_dim=16,
         block_size=8, num_splits=None, num_pad_tokens=1, max_seq_len=4096,
@@ -265,14 +271,7 @@ def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
 def test_attention_decode_auto_split_long_context(monkeypatch: pytest.MonkeyPatch) -> None:
     # a small decode batch makes the launcher split the context; contexts of very different
     # lengths leave some splits empty (they must not contribute).
-    mod = _K["unified_attention"]
-    merge, seen_splits = mod.merge_attention_splits_triton, []
-
-    def counting_merge(out, part_out, *args):  # type: ignore[no-untyped-def]
-        seen_splits.append(part_out.shape[2])
-        return merge(out, part_out, *args)
-
-    monkeypatch.setattr(mod, "merge_attention_splits_triton", counting_merge)
+    seen_splits = _count_merged_splits(monkeypatch)
     _check_attention(
         q_lens=[1, 1, 1], ctx_lens=[600, 3, 64], num_heads=8, num_kv_heads=1,
         head_dim=16, block_size=16, num_splits=None,

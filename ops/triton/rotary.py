@@ -232,23 +232,26 @@ def apply_rotary_emb_triton(
         torch.empty_like(k2, memory_format=torch.contiguous_format),
     )
     if num_tokens > 0:
+        # Stand-ins of the right kind for what a disabled NORM or STORE never reads.
+        if not norm:
+            q_weight = k_weight = cos_sin_cache
+        if store:
+            cache_strides, block_size = k_cache.stride()[:3], k_cache.shape[1]
+        else:
+            cache_strides, block_size = (0, 0, 0), 1
+            v2, k_cache, v_cache, slot_mapping = k2, q_out, q_out, positions
         pass_dim = head_size - rot_dim
-        cache = k_cache if store else q_out
+        pass_pad = triton.next_power_of_2(pass_dim) if pass_dim else 0
         _rotary_kernel[(num_tokens,)](
-            q_out, k_out, q2, k2, v2 if store else k2, positions, cos_sin_cache,
-            q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
-            cache, v_cache if store else q_out, slot_mapping if store else positions, eps,
-            q2.stride(0), k2.stride(0), v2.stride(0) if store else 0, cos_sin_cache.stride(0),
-            cache.stride(0) if store else 0, cache.stride(1) if store else 0,
-            cache.stride(2) if store else 0,
+            q_out, k_out, q2, k2, v2, positions, cos_sin_cache, q_weight, k_weight,
+            k_cache, v_cache, slot_mapping, eps,
+            q2.stride(0), k2.stride(0), v2.stride(0), cos_sin_cache.stride(0), *cache_strides,
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_size,
             ROT_DIM=rot_dim, Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
             K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
             HALF_PAD=triton.next_power_of_2(rot_dim // 2),
-            PASS_PAD=triton.next_power_of_2(pass_dim) if pass_dim else 0,
-            PASS_ARANGE=triton.next_power_of_2(pass_dim) if pass_dim else 1,
+            PASS_PAD=pass_pad, PASS_ARANGE=max(pass_pad, 1),
             DIM_PAD=triton.next_power_of_2(head_size),
-            IS_NEOX=is_neox_style, NORM=norm, STORE=store,
-            BLOCK_SIZE=k_cache.shape[1] if store else 1, num_warps=4,
+            IS_NEOX=is_neox_style, NORM=norm, STORE=store, BLOCK_SIZE=block_size, num_warps=4,
         )  # fmt: skip
     return RotaryOutput(q_out.view(query.shape), k_out.view(key.shape))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bastion.core.forward_context import get_forward_context
+from bastion.core.forward_context import AttentionMetadata, get_forward_context
 from bastion.ops.attention import paged_attention
 from bastion.ops.kv_store import store_kvcache
 from torch import nn
@@ -31,11 +31,17 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def _paged_context(self) -> AttentionMetadata | None:
+        """The step's metadata when this layer attends over its paged cache; None without a
+        forward context or before the cache exists (then all tokens are one sequence)."""
+        meta = get_forward_context()
+        return None if meta is None or self.k_cache.numel() == 0 else meta
+
     def kv_store_args(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """What ``apply_rotary_emb`` needs to store this step's keys and ``v`` in this layer's
         cache as it rotates them (empty when nothing is stored: no context or no cache)."""
-        meta = get_forward_context()
-        if meta is None or self.k_cache.numel() == 0:
+        meta = self._paged_context()
+        if meta is None:
             return {}
         return {"value": v, "k_cache": self.k_cache, "v_cache": self.v_cache,
                 "slot_mapping": meta.slot_mapping}
@@ -48,8 +54,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        meta = get_forward_context()
-        if meta is None or self.k_cache.numel() == 0:
+        meta = self._paged_context()
+        if meta is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                 scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
