@@ -88,6 +88,34 @@ class _WaitTimer:
     def __init__(self) -> None:
         self.calls = 0
         self.seconds = 0.0
+        self.steps: list[tuple[int, float, float]] = []  # (batch, end time, seconds waited)
+
+    def print_timeline(self, start: float, prefill_steps: int = 12) -> None:
+        """Where the run's time went, by phase and batch size: a step's wall time is from the
+        previous step's tokens to its own; what it did not spend waiting on the device is host
+        work (a step whose wait is near zero is limited by the host)."""
+        rows: dict[str, list[float]] = {}
+        previous = start
+        for i, (batch, end, waited) in enumerate(self.steps):
+            if i < prefill_steps:
+                key = f"steps 1-{prefill_steps}"
+            else:
+                low = next(b for b in (192, 128, 64, 32, 16, 0) if batch >= b)
+                key = f"batch >= {low:3d}"
+            row = rows.setdefault(key, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += end - previous
+            row[2] += waited
+            previous = end
+        print(f"{'phase':>14} {'steps':>6} {'seconds':>8} {'ms a step':>9} {'waited ms':>9} "
+              f"{'host ms':>8}")
+        for key, (n, wall, waited) in rows.items():
+            print(f"{key:>14} {n:>6} {wall:>8.3f} {wall / n * 1e3:>9.2f} {waited / n * 1e3:>9.2f} "
+                  f"{(wall - waited) / n * 1e3:>8.2f}")
+        ends = [start] + [end for _, end, _ in self.steps[:prefill_steps]]
+        print("first steps (batch, ms, waited ms): " + ", ".join(
+            f"({b}, {(ends[i + 1] - ends[i]) * 1e3:.1f}, {w * 1e3:.1f})"
+            for i, (b, _, w) in enumerate(self.steps[:prefill_steps])))
 
 
 def _time_device_waits() -> _WaitTimer:
@@ -105,7 +133,9 @@ def _time_device_waits() -> _WaitTimer:
             timer.calls += 1
             start = time.perf_counter()
             result = original(self)
-            timer.seconds += time.perf_counter() - start
+            end = time.perf_counter()
+            timer.seconds += end - start
+            timer.steps.append((len(self.states), end, end - start))
             return result
         return original(self)
 
@@ -114,7 +144,35 @@ def _time_device_waits() -> _WaitTimer:
     return timer
 
 
-def _profile_steps(llm, first: int, count: int) -> None:  # noqa: ANN001
+def _cprofile_steps(llm, count: int) -> None:  # noqa: ANN001
+    """cProfile the host from the first engine step through step ``count`` and print where its
+    time went (the prefill phase, when ``count`` covers it)."""
+    import cProfile
+    import pstats
+
+    engine = llm.engine
+    original = engine.step
+    state = {"n": 0, "prof": cProfile.Profile()}
+
+    def step():  # noqa: ANN202
+        n = state["n"] = state["n"] + 1
+        if n == 1:
+            state["t0"] = time.perf_counter()
+            state["prof"].enable()
+        out = original()
+        if n == count:
+            state["prof"].disable()
+            print(f"cprofile of steps 1..{count}: {(time.perf_counter() - state['t0']) * 1e3:.1f} "
+                  "ms under the profiler")
+            stats = pstats.Stats(state["prof"])
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumtime").print_stats(40)
+        return out
+
+    engine.step = step
+
+
+def _profile_steps(llm, first: int, count: int, trace: str | None = None) -> None:  # noqa: ANN001
     """Profile engine steps ``first .. first + count - 1`` (device kernels and host calls) and
     print the kernels that take the device's time, with its busy time per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -143,6 +201,8 @@ def _profile_steps(llm, first: int, count: int) -> None:  # noqa: ANN001
                   "a step of device kernels")
             print(events.table(sort_by="self_device_time_total", row_limit=18,
                                max_name_column_width=60))
+            if trace:
+                prof.export_chrome_trace(trace)
         return out
 
     engine.step = step
@@ -202,7 +262,9 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
     wait = _time_device_waits()
     variants = _count_new_kernel_variants()
     if args.torch_profile:
-        _profile_steps(llm, *map(int, args.torch_profile.split(":")))
+        _profile_steps(llm, *map(int, args.torch_profile.split(":")), trace=args.profile_trace)
+    if args.cprofile_steps:
+        _cprofile_steps(llm, args.cprofile_steps)
     prof = None
     if args.cprofile:
         import cProfile
@@ -230,6 +292,7 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
           f"{wait.seconds / max(steps, 1) * 1e3:.2f} ms waiting for the device's tokens "
           f"(async scheduling {'on' if llm.engine.async_scheduling else 'off'}); "
           f"Triton kernel variants first built inside the timed run: {variants['n']}")
+    wait.print_timeline(start)
     del llm
     gc.collect()
     return Result("bastion LLM", len(work.prompts), num_tokens, seconds)
@@ -421,6 +484,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="overlap scheduling with the device (default on)")
     p.add_argument("--torch-profile", default=None, metavar="FIRST:COUNT",
                    help="torch-profile engine steps FIRST..FIRST+COUNT-1 and print the kernels")
+    p.add_argument("--profile-trace", default=None, metavar="PATH",
+                   help="with --torch-profile: also write the Chrome trace there")
+    p.add_argument("--cprofile-steps", type=int, default=0, metavar="N",
+                   help="cProfile the host over engine steps 1..N")
     p.add_argument("--cprofile", action="store_true",
                    help="profile bastion's host side (cProfile) and print the top functions")
     p.add_argument("--data-parallel-size", type=int, default=1,

@@ -6,11 +6,13 @@
 #   bash scripts/gpu_run.sh tests offline   # only these, in this order
 #
 # Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
-# launch shapes at workload-like batches), tests (GPU parity under CUDA
+# launch shapes at workload-like batches), gemmsweep (cuBLAS against the Triton linear's launch
+# shapes at decode batch sizes $GEMM_SIZES), tests (GPU parity under CUDA
 # graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync: the
 # same without async scheduling; offtemp: the same sampling at temperature 0.6, as
 # nano-vllm's own script does; offenv: the same once per environment assignment in
-# $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2; offprof: the same under cProfile), floor (that
+# $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2; offprof: the same under cProfile; prefillprof: the
+# first 12 steps under cProfile, then under the torch profiler with a Chrome trace in $OUT), floor (that
 # workload's bandwidth floor, measured in the same run), hf (a slice of the workload through
 # bastion and transformers' continuous batching, with the ratio), latency (Llama-3.1-8B
 # architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite
@@ -120,9 +122,11 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --quick --iters 30 ;;
     attnsweep) stage attnsweep 240 'copy|step|^ *[0-9]' -- \
       $PY scripts/gpu_kernel_check.py --attention-sweep --iters 30 ;;
+    gemmsweep) stage gemmsweep 240 'copy|shape|^ *[0-9]+ +[a-z]|GEMM best' -- \
+      $PY scripts/gpu_kernel_check.py --gemm-sweep ${GEMM_SIZES:-32,64,128,256,512} --iters 20 ;;
     tests) stage tests 150 'passed|failed|error|bf16:' -- \
       $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu tests/test_triton_kernels.py -m gpu ;;
-    offline) stage offline 150 'workload|bastion|Error|error' -- \
+    offline) stage offline 150 'workload|bastion|phase|steps 1-|batch >=|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf ;;
     offenv) stage offenv 240 'environment|workload|bastion LLM|Error|error' -- bash -c \
@@ -143,6 +147,12 @@ for s in $STAGES; do
       "for w in ${PROF_POINTS:-60:5 400:5 800:5}; do $PY scripts/bench_offline.py --model $QWEN --load-format dummy \
       --dtype bfloat16 $NANO --temperature 0 --max-num-batched-tokens 16384 --skip-hf \
       --torch-profile \$w; done" ;;
+    prefillprof) stage prefillprof 200 'cprofile|tottime|cumtime|model_runner|scheduler|engine_core|unified|rotary|linear|torch profile|first steps|bastion LLM|Error' -- bash -c \
+      "$PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
+      --temperature 0 --max-num-batched-tokens 16384 --skip-hf --cprofile-steps 12; \
+      $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
+      --temperature 0 --max-num-batched-tokens 16384 --skip-hf --torch-profile 1:12 \
+      --profile-trace $OUT/prefill_trace.json && gzip -f $OUT/prefill_trace.json" ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
     hf) stage hf 120 'workload|bastion|HF|ratio|Error' -- \
