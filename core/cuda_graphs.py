@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
+from bastion.core.staging import StagingRing
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,6 @@ class _HostStaging:
         self.i64 = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
         self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin)
         self.bt = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
-        self.copied: torch.cuda.Event | None = None  # recorded after the copies that read it
 
 
 class CUDAGraphRunner:
@@ -80,10 +80,8 @@ class CUDAGraphRunner:
         pin = device.type == "cuda"
         # Packed so that one step needs three host-to-device copies: int64 rows (ids, positions,
         # slots, rows of in-flight tokens), int32 (seq_lens then query_start_loc) and the block
-        # table. Two sets of host buffers alternate: with async scheduling a step is staged
-        # while the previous one's copies may still be queued behind the step before it.
-        self._host = [_HostStaging(n, max_blocks_per_seq, pin) for _ in range(2)]
-        self._num_staged = 0
+        # table. Two sets of host buffers alternate (see StagingRing).
+        self._host = StagingRing(lambda: _HostStaging(n, max_blocks_per_seq, pin), device)
         self._dev_i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
         self._dev_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self._dev_bt = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
@@ -132,15 +130,8 @@ class CUDAGraphRunner:
         )
 
     def _stage(self, inputs: DecodeInputs, size: int) -> None:
-        """Write one step (padded to ``size``) into pinned memory, then copy it over.
-
-        A host buffer set is rewritten only after the copies that last read it have run (an
-        event recorded behind them), so a step may be staged while earlier ones are queued.
-        """
-        host = self._host[self._num_staged % 2]
-        self._num_staged += 1
-        if host.copied is not None:
-            host.copied.synchronize()
+        """Write one step (padded to ``size``) into pinned memory, then copy it over."""
+        host = self._host.acquire()
         b = len(inputs.input_ids)
         n = self.max_num_seqs
         i64 = host.i64.numpy()
@@ -161,9 +152,7 @@ class CUDAGraphRunner:
         # Rows past ``b`` keep stale ids: their sequences are empty, so nothing reads them.
         staged = bt.to(self.device, non_blocking=True)
         self._dev_bt[:b, :width].copy_(staged, non_blocking=True)
-        if self.device.type == "cuda":
-            host.copied = torch.cuda.Event()
-            host.copied.record()
+        self._host.copied()
 
     def _patch_pending(self, b: int, prev: torch.Tensor) -> None:
         """Input ids of rows whose token the previous step sampled, read on the device."""

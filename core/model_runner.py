@@ -3,8 +3,8 @@ and samples. It applies each step's ``SchedulerOutput`` delta to its own copy of
 
 from __future__ import annotations
 
-import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -17,6 +17,7 @@ from bastion.core.cuda_graphs import CUDAGraphRunner, DecodeInputs, default_capt
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
 from bastion.core.loader import get_max_model_len, load_model, resolve_model
 from bastion.core.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_tokens
+from bastion.core.staging import StagingRing
 from bastion.ipc.messages import Logprobs, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from bastion.ops.communicator import get_tp_group
 
@@ -63,6 +64,14 @@ class CachedRequestState:
             self.block_table = grown
         self.block_table[self.num_blocks:end] = new_block_ids
         self.num_blocks = end
+
+
+# Benchmarks switch the decode batch's longest-first order off (=0) to measure it.
+_LONGEST_FIRST = os.environ.get("BASTION_DECODE_LONGEST_FIRST", "1") != "0"
+
+
+def _context_length(state: CachedRequestState) -> int:
+    return state.num_computed_tokens
 
 
 def _needs_output_ids(params: SamplingParams) -> bool:
@@ -150,6 +159,9 @@ class ModelRunner:
         # Steps whose tokens this runner has not folded into its request state yet, oldest
         # first; all but the newest are folded in at the start of each step.
         self.inflight: deque[StepHandle] = deque()
+        # Pinned buffers the eager (prefill and mixed) steps are staged in; built on first use.
+        self._staging: StagingRing[_StepStaging] | None = None
+        self._staging_capacity = (0, 0, 0)
 
     # ------------------------------------------------------------------------- set-up
 
@@ -338,6 +350,10 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens != num_seqs:
             return None
         states = [self.requests[rid] for rid in sched.num_scheduled_tokens]
+        if _LONGEST_FIRST:
+            # Attention starts its programs roughly in row order: the longest contexts first
+            # leave short ones for the last wave (rows map back to requests by their states).
+            states.sort(key=_context_length, reverse=True)
         positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)
         lengths = np.fromiter((s.num_tokens for s in states), np.int64, num_seqs)
         if not np.array_equal(positions + 1, lengths):  # a 1-token chunk of a longer prompt
@@ -361,66 +377,111 @@ class ModelRunner:
         return states, DecodeInputs(input_ids, positions, slots, tables, pending_rows)
 
     def _prepare_inputs(self, sched: SchedulerOutput, prev: torch.Tensor | None) -> _Batch:
+        """The flat batch of any step (prefill chunks and decodes mixed), built with numpy:
+        only the token ids are gathered per request; positions, slots and the block table
+        come from array operations, and everything goes over in two copies."""
+        request_ids = list(sched.num_scheduled_tokens)
+        states = [self.requests[rid] for rid in request_ids]
+        b = len(states)
+        counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, b)
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, b)
+        ends = starts + counts
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        total = int(qsl[-1])
         input_ids: list[int] = []
         pending_at: list[int] = []  # flat positions whose token is still in flight
         pending_rows: list[int] = []  # ... and its row in the previous step's tokens
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        sample_ids: list[str] = []
-        bs = self.block_size
-        for request_id, n in sched.num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + n
+        for state, start, end in zip(states, starts.tolist(), ends.tolist()):
             input_ids.extend(state.token_ids[start:end])
             if end > len(state.token_ids):  # the last token is still in flight
                 pending_at.append(len(input_ids))
                 pending_rows.append(state.pending_row)
                 input_ids.append(0)
-            positions.extend(range(start, end))
-            blocks = state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
-            tables.append(blocks)
-            if end == state.num_tokens:  # prefill done: this step yields a token
-                logits_indices.append(query_start_loc[-1] - 1)
-                sample_ids.append(request_id)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        table = np.zeros((len(tables), width), dtype=np.int32)
-        for row, blocks in zip(table, tables):
-            row[:len(blocks)] = blocks
+        positions = np.arange(total, dtype=np.int64) + np.repeat(starts - qsl[:-1], counts)
+        bs = self.block_size
+        # Only the blocks the context occupies (the scheduler may have allocated more).
+        num_blocks = (ends + bs - 1) // bs
+        width = int(num_blocks.max())
+        flat = np.concatenate([s.block_table[:n] for s, n in zip(states, num_blocks.tolist())])
+        table = np.zeros((b, width), dtype=np.int32)
+        table[np.arange(width) < num_blocks[:, None]] = flat
+        seq_of_token = np.repeat(np.arange(b), counts)
+        slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        # Prefill done (or a decode): this step yields the request's next token.
+        done = ends == np.fromiter((s.num_tokens for s in states), np.int64, b)
+        logits_indices = qsl[1:][done] - 1
+        sample_ids = [rid for rid, d in zip(request_ids, done.tolist()) if d]
+
+        host = self._staging_for(total, b, width)
+        n_logits, n_pending = len(logits_indices), len(pending_at)
+        i64 = host.i64.numpy()
+        i64[:total] = np.fromiter(input_ids, np.int64, total)
+        i64[total:2 * total] = positions
+        i64[2 * total:3 * total] = slots
+        tail = 3 * total
+        i64[tail:tail + n_logits] = logits_indices
+        i64[tail + n_logits:tail + n_logits + n_pending] = pending_at
+        i64[tail + n_logits + n_pending:tail + n_logits + 2 * n_pending] = pending_rows
+        i32 = host.i32.numpy()
+        i32[:b + 1] = qsl
+        i32[b + 1:2 * b + 1] = ends
+        i32[2 * b + 1:2 * b + 1 + b * width] = table.reshape(-1)
+        dev64 = self._copy_staged(host.i64[:tail + n_logits + 2 * n_pending])
+        dev32 = self._copy_staged(host.i32[:2 * b + 1 + b * width])
+        self._staging.copied()
         meta = AttentionMetadata(
-            slot_mapping=_to_device(slots, torch.long, dev),
-            query_start_loc=_to_device(query_start_loc, torch.int32, dev),
-            seq_lens=_to_device(seq_lens, torch.int32, dev),
-            block_tables=_to_device(table, torch.int32, dev),
-            max_query_len=max(b - a for a, b in itertools.pairwise(query_start_loc)),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+            slot_mapping=dev64[2 * total:tail],
+            query_start_loc=dev32[:b + 1],
+            seq_lens=dev32[b + 1:2 * b + 1],
+            block_tables=dev32[2 * b + 1:].view(b, width),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()),
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=ends.tolist(),
         )
-        ids = _to_device(input_ids, torch.long, dev)
+        ids = dev64[:total]
         if pending_at:
-            src = _to_device(pending_rows, torch.long, dev)
-            ids[_to_device(pending_at, torch.long, dev)] = prev[src]
-        return _Batch(ids, _to_device(positions, torch.long, dev), meta,
-                      _to_device(logits_indices, torch.long, dev), sample_ids)
+            at = dev64[tail + n_logits:tail + n_logits + n_pending]
+            ids[at] = prev[dev64[tail + n_logits + n_pending:]]
+        return _Batch(ids, dev64[total:2 * total], meta, dev64[tail:tail + n_logits], sample_ids)
+
+    def _staging_for(self, num_tokens: int, num_seqs: int, width: int) -> _StepStaging:
+        """Pinned buffers for a step of this size (sized for the scheduler's limits once;
+        grown if a step ever exceeds them)."""
+        sched = self.config.scheduler
+        need = (num_tokens, num_seqs, width)
+        if self._staging is None or any(n > c for n, c in zip(need, self._staging_capacity)):
+            cap = tuple(max(n, c) for n, c in zip(need, (
+                sched.max_num_batched_tokens, sched.max_num_seqs,
+                -(-self.max_model_len // self.block_size))))
+            pin = self.device.type == "cuda"
+
+            def make() -> _StepStaging:
+                return _StepStaging(*cap, pin=pin)
+
+            if self._staging is None:
+                self._staging = StagingRing(make, self.device)
+            else:
+                self._staging.rebuild(make)
+            self._staging_capacity = cap
+        return self._staging.acquire()
+
+    def _copy_staged(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return host.clone()  # the buffer is reused two steps later
+        return host.to(self.device, non_blocking=True)
 
 
-def _to_device(values: list[int] | np.ndarray, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-    """Host values to ``device``; on a GPU through pinned memory and a non-blocking copy, so
-    building the next tensor overlaps the transfer instead of waiting for it."""
-    if device.type != "cuda":
-        return torch.as_tensor(values, dtype=dtype)
-    host = torch.as_tensor(values, dtype=dtype).pin_memory()
-    return host.to(device, non_blocking=True)
+class _StepStaging:
+    """Host buffers for one step: int64 token rows (ids, positions, slots) then the rows to
+    sample and the in-flight tokens to patch; int32 query starts, lengths and block table."""
+
+    def __init__(self, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
+                 pin: bool) -> None:
+        self.i64 = torch.zeros(3 * num_tokens + 3 * num_seqs, dtype=torch.int64, pin_memory=pin)
+        self.i32 = torch.zeros(num_seqs * (2 + max_blocks_per_seq) + 1, dtype=torch.int32,
+                               pin_memory=pin)
 
 
 def _sync_sampled_tokens(out: SamplerOutput) -> SamplerOutput:

@@ -1,0 +1,75 @@
+"""The model runner's flat batch for eager (prefill and mixed) steps, checked value by value."""
+
+from __future__ import annotations
+
+import torch
+from bastion.core.config import build_engine_config
+from bastion.core.model_runner import CachedRequestState, ModelRunner
+from bastion.ipc.messages import SamplingParams, SchedulerOutput
+
+
+def _runner(max_num_batched_tokens: int = 64) -> ModelRunner:
+    config = build_engine_config(device="cpu", max_num_seqs=4,
+                                 max_num_batched_tokens=max_num_batched_tokens)
+    runner = ModelRunner(config)
+    runner.max_model_len = 256
+    return runner
+
+
+def _state(rid: str, tokens: list[int], computed: int, blocks: list[int]) -> CachedRequestState:
+    state = CachedRequestState(rid, tokens, SamplingParams(), [], computed, [], list(tokens))
+    state.append_blocks(blocks)
+    return state
+
+
+def test_mixed_step_inputs_exactly():
+    runner = _runner()
+    bs = runner.block_size
+    # "a": a prompt of 40 tokens, 16 already cached; this step computes 20 more (a chunk).
+    # "b": decoding; 33 tokens known, its 34th still in flight as row 2 of the last step.
+    # "c": a 3-token prompt computed whole; it samples.
+    a = _state("a", list(range(100, 140)), 16, [7, 3, 9])
+    b = _state("b", list(range(200, 233)), 33, [5, 6, 11])
+    b.num_pending, b.pending_row = 1, 2
+    c = _state("c", [1, 2, 3], 0, [4])
+    runner.requests = {"a": a, "b": b, "c": c}
+    sched = SchedulerOutput(num_scheduled_tokens={"a": 20, "b": 1, "c": 3},
+                            total_num_scheduled_tokens=24)
+    prev = torch.tensor([50, 51, 52, 53])
+    batch = runner._prepare_inputs(sched, prev)
+
+    assert batch.input_ids.tolist() == list(range(116, 136)) + [52] + [1, 2, 3]
+    positions = list(range(16, 36)) + [33] + [0, 1, 2]
+    assert batch.positions.tolist() == positions
+    a_slots = [(7, 3, 9)[p // bs] * bs + p % bs for p in range(16, 36)]
+    assert batch.meta.slot_mapping.tolist() == a_slots + [11 * bs + 1] + [4 * bs, 4 * bs + 1,
+                                                                          4 * bs + 2]
+    # Only the blocks each context occupies: 36 tokens -> 3, 34 -> 3, 3 -> 1.
+    assert batch.meta.block_tables.tolist() == [[7, 3, 9], [5, 6, 11], [4, 0, 0]]
+    assert batch.meta.query_start_loc.tolist() == [0, 20, 21, 24]
+    assert batch.meta.query_start_loc_cpu == [0, 20, 21, 24]
+    assert batch.meta.seq_lens.tolist() == [36, 34, 3]
+    assert batch.meta.seq_lens_cpu == [36, 34, 3]
+    assert (batch.meta.max_query_len, batch.meta.max_seq_len) == (20, 36)
+    # "a" is mid-prompt: no token yet; "b" and "c" sample from their last rows.
+    assert batch.logits_indices.tolist() == [20, 23]
+    assert batch.sample_ids == ["b", "c"]
+
+
+def test_staging_buffers_rotate_without_touching_earlier_batches():
+    runner = _runner(max_num_batched_tokens=8)
+    runner.requests = {"x": _state("x", list(range(30)), 0, [1, 2])}
+    batches = []
+    for start in (0, 8, 16):  # three chunks of 8: the third reuses the first buffer set
+        runner.requests["x"].num_computed_tokens = start
+        sched = SchedulerOutput(num_scheduled_tokens={"x": 8}, total_num_scheduled_tokens=8)
+        batches.append(runner._prepare_inputs(sched, None))
+    assert [b.input_ids.tolist() for b in batches] == [list(range(s, s + 8)) for s in (0, 8, 16)]
+    # A step larger than the buffers were sized for grows them.
+    runner.requests["x"].num_computed_tokens = 0
+    sched = SchedulerOutput(num_scheduled_tokens={"x": 30}, total_num_scheduled_tokens=30)
+    big = runner._prepare_inputs(sched, None)
+    assert big.positions.tolist() == list(range(30))
+    assert big.meta.block_tables.tolist() == [[1, 2]]
+    assert big.logits_indices.tolist() == [29]
+    assert batches[0].input_ids.tolist() == list(range(8))
