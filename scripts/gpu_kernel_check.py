@@ -380,6 +380,47 @@ def attention_sweep(iters: int, copy_bw: float) -> None:
             torch.cuda.empty_cache()
 
 
+def prefill_sweep(iters: int) -> None:
+    """Prefill attention's launch shapes on two of the nano-vllm workload's 16k-token chunks:
+    whole prompts (uniform in [100, 1024]), and the same prompts' second halves over their first
+    halves already cached; TFLOP/s of the causal pairs, and the error against the reference."""
+    import random
+
+    from bastion.ops.attention import paged_attention_ref
+    from bastion.ops.triton import unified_attention as ua
+
+    rng = random.Random(0)
+    prompts: list[int] = []
+    while sum(prompts) < 16384 - 1024:
+        prompts.append(rng.randint(100, 1024))
+    cases = (("whole", prompts, [0] * len(prompts)),
+             ("halves", [p - p // 2 for p in prompts], [p // 2 for p in prompts]))
+    print(f"{'chunk':>6} {'tokens':>6} {'tile':>4} {'warps':>5} {'stages':>6} {'block_m':>7} "
+          f"{'us':>8} {'TFLOP/s':>7} {'max err':>8}")
+    for label, q_lens, ctx_lens in cases:
+        meta, k_cache, v_cache, query = _attention_batch(q_lens, ctx_lens)
+        pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(q_lens, meta.seq_lens_cpu))
+        flops = 4 * pairs * HQ * D
+        ref = paged_attention_ref(query.float(), k_cache.float(), v_cache.float(), meta, D**-0.5)
+        for c in ((64, 8, 3, 128), (128, 8, 3, 128), (128, 8, 2, 128), (64, 4, 3, 64),
+                  (128, 4, 2, 64), (32, 4, 3, 64), (64, 4, 4, 128), (128, 8, 3, 256)):
+            config = ua.KernelConfig(*c)
+
+            def run(config=config, batch=(query, k_cache, v_cache, meta)):  # type: ignore[no-untyped-def]
+                return ua.paged_attention_triton(*batch, D**-0.5, config=config)
+
+            try:
+                err = max_err(run(), ref)
+                us = bench(run, iters)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                print(f"{label:>6} {c} failed: {str(exc)[:60]}")
+                continue
+            print(f"{label:>6} {sum(q_lens):>6} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} "
+                  f"{us:>8.1f} {flops / us / 1e6:>7.1f} {err:>8.4f}")
+        del meta, k_cache, v_cache, query
+        torch.cuda.empty_cache()
+
+
 GEMM_SHAPES = (  # name, N, K, gated: Qwen3-0.6B's four projections a layer, and its LM head
     ("qkv_proj", (HQ + 2 * HK) * D, HIDDEN, False),
     ("o_proj", HIDDEN, HQ * D, False),
@@ -462,6 +503,8 @@ def main() -> int:
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
     parser.add_argument("--attention-sweep", action="store_true",
                         help="time decode attention's launch shapes at workload-like batches")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="time prefill attention's launch shapes on workload-like chunks")
     parser.add_argument("--gemm-sweep", default="",
                         help="comma-separated batch sizes: time cuBLAS against the Triton "
                         "linear's launch shapes at each")
@@ -475,6 +518,9 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {copy_bw / 1e12:.2f} TB/s")
     if args.attention_sweep:
         attention_sweep(args.iters, copy_bw)
+        return 0
+    if args.prefill_sweep:
+        prefill_sweep(args.iters)
         return 0
     if args.gemm_sweep:
         gemm_sweep(args.iters, copy_bw, [int(m) for m in args.gemm_sweep.split(",")])

@@ -188,6 +188,18 @@ def test_attention_prefill_with_a_larger_query_block() -> None:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_small_tiles_across_chunks_and_splits(num_splits: int) -> None:
+    # 16-key tiles and 16-row query blocks (8 tokens x 2 heads), so these contexts span many
+    # tiles: decodes past several tiles, a chunk over a cached prefix whose query blocks start
+    # mid-tile, a fresh prompt; splits cut through whole tiles and the causal diagonal.
+    config = _K["unified_attention"].KernelConfig(16, 4, 2, block_m=16)
+    _check_attention(
+        q_lens=[1, 40, 23, 1], ctx_lens=[95, 50, 0, 33], num_heads=4, num_kv_heads=2,
+        head_dim=16, block_size=8, num_splits=num_splits, config=config, num_pad_tokens=1,
+    )  # fmt: skip
+
+
 def test_attention_shrinks_a_launch_shape_that_does_not_fit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A GPU with less shared memory than the H200 the shapes were tuned on: any launch with
