@@ -421,81 +421,6 @@ def prefill_sweep(iters: int) -> None:
         torch.cuda.empty_cache()
 
 
-GEMM_SHAPES = (  # name, N, K, gated: Qwen3-0.6B's four projections a layer, and its LM head
-    ("qkv_proj", (HQ + 2 * HK) * D, HIDDEN, False),
-    ("o_proj", HIDDEN, HQ * D, False),
-    ("gate_up+silu", INTER, HIDDEN, True),
-    ("down_proj", HIDDEN, INTER, False),
-)
-GEMM_CONFIGS = [  # block_m, block_n, block_k, split_k, num_warps, num_stages
-    (64, 64, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4), (128, 64, 64, 1, 4, 4),
-    (64, 64, 64, 1, 4, 5), (128, 128, 64, 1, 8, 3), (64, 32, 128, 1, 4, 4),
-    (32, 64, 128, 1, 4, 4), (128, 64, 128, 1, 8, 3), (64, 128, 128, 1, 8, 3),
-    (64, 64, 128, 2, 4, 3), (64, 64, 128, 4, 4, 3), (128, 64, 128, 2, 8, 3),
-    (64, 128, 64, 2, 4, 4), (128, 128, 64, 2, 8, 3), (64, 32, 128, 2, 4, 4),
-    (128, 64, 64, 4, 4, 4),
-]
-
-
-def gemm_sweep(iters: int, copy_bw: float, sizes: list[int]) -> None:
-    """cuBLAS against the Triton linear's launch shapes at decode batch sizes, with 28 distinct
-    weights a shape (a model's layers: no weight stays in L2), replayed from a CUDA graph."""
-    import torch.nn.functional as F
-
-    from bastion.ops.activation import silu_and_mul
-    from bastion.ops.triton.matmul import LinearConfig, linear_triton
-
-    peak = 989e12  # H200 dense bf16
-    print(f"{'M':>4} {'shape':>13} {'floor':>6} {'cuBLAS':>7} {'triton':>7} {'gain':>6}  best config")
-    best: dict[tuple[int, str], tuple[float, tuple]] = {}
-    for name, n, k, gated in GEMM_SHAPES:
-        rows = 2 * n if gated else n
-        weights = [torch.randn(rows, k, device=DEV, dtype=BF16) * 0.02 for _ in range(28)]
-        for m in sizes:
-            x = torch.randn(m, k, device=DEV, dtype=BF16)
-            floor_us = max((rows * k + m * k + m * n) * 2 / copy_bw, 2 * m * rows * k / peak) * 1e6
-
-            def cublas(x=x, weights=weights, gated=gated):  # type: ignore[no-untyped-def]
-                for w in weights:
-                    y = F.linear(x, w)
-                    if gated:
-                        y = silu_and_mul(y)
-                return y
-
-            ref = cublas()
-            ref_us = bench_graph(cublas, iters, per=1) / len(weights)
-            results = []
-            for c in GEMM_CONFIGS:
-                config = LinearConfig(*c)
-                if gated and config.split_k > 1:
-                    continue
-
-                def run(x=x, weights=weights, config=config, gated=gated):  # type: ignore[no-untyped-def]
-                    for w in weights:
-                        y = linear_triton(x, w, config, gated=gated)
-                    return y
-
-                try:
-                    err = max_err(run(), ref)
-                    us = bench_graph(run, iters, per=1) / len(weights)
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    print(f"{m:>4} {name:>13} {c} failed: {str(exc)[:60]}")
-                    continue
-                if err > 0.05 * ref.abs().max().item() + 1e-2:
-                    print(f"{m:>4} {name:>13} {c} WRONG: max err {err:.3g}")
-                    continue
-                results.append((us, c))
-            results.sort()
-            us, c = results[0]
-            best[(m, name)] = (us, c)
-            print(f"{m:>4} {name:>13} {floor_us:>6.1f} {ref_us:>7.1f} {us:>7.1f} "
-                  f"{ref_us / us:>5.2f}x  {c}  (next: "
-                  + ", ".join(f"{u:.1f} {cc}" for u, cc in results[1:3]) + ")")
-        del weights
-        torch.cuda.empty_cache()
-    print("GEMM best:", {f"{m}:{name}": c for (m, name), (_, c) in best.items()})
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=100)
@@ -505,9 +430,6 @@ def main() -> int:
                         help="time decode attention's launch shapes at workload-like batches")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="time prefill attention's launch shapes on workload-like chunks")
-    parser.add_argument("--gemm-sweep", default="",
-                        help="comma-separated batch sizes: time cuBLAS against the Triton "
-                        "linear's launch shapes at each")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_kernel_check needs a CUDA GPU", file=sys.stderr)
@@ -521,9 +443,6 @@ def main() -> int:
         return 0
     if args.prefill_sweep:
         prefill_sweep(args.iters)
-        return 0
-    if args.gemm_sweep:
-        gemm_sweep(args.iters, copy_bw, [int(m) for m in args.gemm_sweep.split(",")])
         return 0
     rows, failures = [], 0
     for name, run in all_cases(args.iters, args.quick):

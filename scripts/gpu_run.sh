@@ -6,8 +6,7 @@
 #   bash scripts/gpu_run.sh tests offline   # only these, in this order
 #
 # Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
-# launch shapes at workload-like batches), gemmsweep (cuBLAS against the Triton linear's launch
-# shapes at decode batch sizes $GEMM_SIZES), prefillsweep (prefill attention's launch shapes on
+# launch shapes at workload-like batches), prefillsweep (prefill attention's launch shapes on
 # workload-like 16k-token chunks), tests (GPU parity under CUDA
 # graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync: the
 # same without async scheduling; offtemp: the same sampling at temperature 0.6, as
@@ -125,8 +124,6 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --attention-sweep --iters 30 ;;
     prefillsweep) stage prefillsweep 200 'copy|chunk|whole|halves' -- \
       $PY scripts/gpu_kernel_check.py --prefill-sweep --iters 20 ;;
-    gemmsweep) stage gemmsweep 240 'copy|shape|^ *[0-9]+ +[a-z]|GEMM best' -- \
-      $PY scripts/gpu_kernel_check.py --gemm-sweep ${GEMM_SIZES:-32,64,128,256,512} --iters 20 ;;
     tests) stage tests 150 'passed|failed|error|bf16:' -- \
       $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu tests/test_triton_kernels.py -m gpu ;;
     offline) stage offline 150 'workload|bastion|phase|steps 1-|batch >=|Error|error' -- \
