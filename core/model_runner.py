@@ -4,7 +4,6 @@ and samples. It applies each step's ``SchedulerOutput`` delta to its own copy of
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -64,10 +63,6 @@ class CachedRequestState:
             self.block_table = grown
         self.block_table[self.num_blocks:end] = new_block_ids
         self.num_blocks = end
-
-
-# Benchmarks switch the decode batch's longest-first order off (=0) to measure it.
-_LONGEST_FIRST = os.environ.get("BASTION_DECODE_LONGEST_FIRST", "1") != "0"
 
 
 def _context_length(state: CachedRequestState) -> int:
@@ -350,10 +345,10 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens != num_seqs:
             return None
         states = [self.requests[rid] for rid in sched.num_scheduled_tokens]
-        if _LONGEST_FIRST:
-            # Attention starts its programs roughly in row order: the longest contexts first
-            # leave short ones for the last wave (rows map back to requests by their states).
-            states.sort(key=_context_length, reverse=True)
+        # Attention starts its programs roughly in row order: the longest contexts first leave
+        # short ones for the last wave. Rows map back to requests only through ``states``; the
+        # sort is stable, so every TP rank orders the same batch the same way.
+        states.sort(key=_context_length, reverse=True)
         positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)
         lengths = np.fromiter((s.num_tokens for s in states), np.int64, num_seqs)
         if not np.array_equal(positions + 1, lengths):  # a 1-token chunk of a longer prompt
@@ -366,6 +361,7 @@ class ModelRunner:
         bs = self.block_size
         # Only the blocks the context occupies (the scheduler may have allocated more).
         num_blocks = positions // bs + 1
+        _check_allocated(states, num_blocks)
         width = int(num_blocks.max())
         if not self.graph_runner.can_run(num_seqs, width):
             return None
@@ -402,6 +398,7 @@ class ModelRunner:
         bs = self.block_size
         # Only the blocks the context occupies (the scheduler may have allocated more).
         num_blocks = (ends + bs - 1) // bs
+        _check_allocated(states, num_blocks)
         width = int(num_blocks.max())
         flat = np.concatenate([s.block_table[:n] for s, n in zip(states, num_blocks.tolist())])
         table = np.zeros((b, width), dtype=np.int32)
@@ -414,37 +411,29 @@ class ModelRunner:
         sample_ids = [rid for rid, d in zip(request_ids, done.tolist()) if d]
 
         host = self._staging_for(total, b, width)
-        n_logits, n_pending = len(logits_indices), len(pending_at)
-        i64 = host.i64.numpy()
-        i64[:total] = np.fromiter(input_ids, np.int64, total)
-        i64[total:2 * total] = positions
-        i64[2 * total:3 * total] = slots
-        tail = 3 * total
-        i64[tail:tail + n_logits] = logits_indices
-        i64[tail + n_logits:tail + n_logits + n_pending] = pending_at
-        i64[tail + n_logits + n_pending:tail + n_logits + 2 * n_pending] = pending_rows
-        i32 = host.i32.numpy()
-        i32[:b + 1] = qsl
-        i32[b + 1:2 * b + 1] = ends
-        i32[2 * b + 1:2 * b + 1 + b * width] = table.reshape(-1)
-        dev64 = self._copy_staged(host.i64[:tail + n_logits + 2 * n_pending])
-        dev32 = self._copy_staged(host.i32[:2 * b + 1 + b * width])
+        ids, pos, slot, logit_rows, at, rows = _pack(host.i64.numpy(), (
+            np.fromiter(input_ids, np.int64, total), positions, slots, logits_indices,
+            pending_at, pending_rows), align=2)
+        qsl_span, lens_span, table_span = _pack(host.i32.numpy(), (qsl, ends, table.reshape(-1)),
+                                                align=4)
+        dev64 = self._copy_staged(host.i64[:rows.stop])
+        dev32 = self._copy_staged(host.i32[:table_span.stop])
         self._staging.copied()
         meta = AttentionMetadata(
-            slot_mapping=dev64[2 * total:tail],
-            query_start_loc=dev32[:b + 1],
-            seq_lens=dev32[b + 1:2 * b + 1],
-            block_tables=dev32[2 * b + 1:].view(b, width),
+            slot_mapping=dev64[slot],
+            query_start_loc=dev32[qsl_span],
+            seq_lens=dev32[lens_span],
+            block_tables=dev32[table_span].view(b, width),
             max_query_len=int(counts.max()),
             max_seq_len=int(ends.max()),
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=ends.tolist(),
         )
-        ids = dev64[:total]
+        input_ids_dev = dev64[ids]
         if pending_at:
-            at = dev64[tail + n_logits:tail + n_logits + n_pending]
-            ids[at] = prev[dev64[tail + n_logits + n_pending:]]
-        return _Batch(ids, dev64[total:2 * total], meta, dev64[tail:tail + n_logits], sample_ids)
+            input_ids_dev[dev64[at]] = prev[dev64[rows]]
+        return _Batch(input_ids_dev, dev64[pos], meta, dev64[logit_rows],
+                      sample_ids)
 
     def _staging_for(self, num_tokens: int, num_seqs: int, width: int) -> _StepStaging:
         """Pinned buffers for a step of this size (sized for the scheduler's limits once;
@@ -473,14 +462,40 @@ class ModelRunner:
         return host.to(self.device, non_blocking=True)
 
 
+def _check_allocated(states: list[CachedRequestState], num_blocks: np.ndarray) -> None:
+    """Every context must lie in blocks the scheduler gave it (a block table's spare entries
+    are zeros: reading one would write this request's keys into block 0)."""
+    allocated = np.fromiter((s.num_blocks for s in states), np.int64, len(states))
+    short = np.flatnonzero(num_blocks > allocated)
+    if short.size:
+        i = int(short[0])
+        raise RuntimeError(f"request {states[i].request_id} needs {int(num_blocks[i])} KV blocks "
+                           f"for this step but holds {int(allocated[i])}")
+
+
+def _pack(buffer: np.ndarray, parts: tuple, align: int) -> list[slice]:
+    """Write ``parts`` one after another into ``buffer``, each starting at a multiple of
+    ``align`` elements (16 bytes: Triton compiles a kernel variant per pointer alignment, and
+    a compile costs a step about a second); return the slice each part occupies."""
+    spans, at = [], 0
+    for part in parts:
+        end = at + len(part)
+        buffer[at:end] = part
+        spans.append(slice(at, end))
+        at = -(-end // align) * align
+    return spans
+
+
 class _StepStaging:
     """Host buffers for one step: int64 token rows (ids, positions, slots) then the rows to
     sample and the in-flight tokens to patch; int32 query starts, lengths and block table."""
 
     def __init__(self, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
                  pin: bool) -> None:
-        self.i64 = torch.zeros(3 * num_tokens + 3 * num_seqs, dtype=torch.int64, pin_memory=pin)
-        self.i32 = torch.zeros(num_seqs * (2 + max_blocks_per_seq) + 1, dtype=torch.int32,
+        # Room for each part's padding to a 16-byte start (see ``_pack``).
+        self.i64 = torch.zeros(3 * num_tokens + 3 * num_seqs + 12, dtype=torch.int64,
+                               pin_memory=pin)
+        self.i32 = torch.zeros(num_seqs * (2 + max_blocks_per_seq) + 1 + 12, dtype=torch.int32,
                                pin_memory=pin)
 
 

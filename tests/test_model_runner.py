@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from bastion.core.config import build_engine_config
 from bastion.core.model_runner import CachedRequestState, ModelRunner
@@ -31,7 +34,7 @@ def test_mixed_step_inputs_exactly():
     a = _state("a", list(range(100, 140)), 16, [7, 3, 9])
     b = _state("b", list(range(200, 233)), 33, [5, 6, 11])
     b.num_pending, b.pending_row = 1, 2
-    c = _state("c", [1, 2, 3], 0, [4])
+    c = _state("c", [1, 2, 3], 0, [4, 8])  # a spare block, allocated ahead
     runner.requests = {"a": a, "b": b, "c": c}
     sched = SchedulerOutput(num_scheduled_tokens={"a": 20, "b": 1, "c": 3},
                             total_num_scheduled_tokens=24)
@@ -54,6 +57,41 @@ def test_mixed_step_inputs_exactly():
     # "a" is mid-prompt: no token yet; "b" and "c" sample from their last rows.
     assert batch.logits_indices.tolist() == [20, 23]
     assert batch.sample_ids == ["b", "c"]
+    # Every tensor a kernel receives starts 16-byte aligned (Triton specialises on it).
+    tensors = [batch.input_ids, batch.positions, batch.logits_indices, batch.meta.slot_mapping,
+               batch.meta.query_start_loc, batch.meta.seq_lens, batch.meta.block_tables]
+    assert [t.data_ptr() % 16 for t in tensors] == [0] * len(tensors)
+
+
+def test_a_context_beyond_its_blocks_is_refused():
+    # 40 tokens need 3 blocks of 16; the runner holds one. Its table's spare entries are zeros,
+    # so building the step would write keys into block 0, another request's block.
+    runner = _runner()
+    runner.requests = {"a": _state("a", list(range(40)), 0, [5])}
+    sched = SchedulerOutput(num_scheduled_tokens={"a": 40}, total_num_scheduled_tokens=40)
+    with pytest.raises(RuntimeError, match="request a needs 3 KV blocks for this step but holds 1"):
+        runner._prepare_inputs(sched, None)
+
+
+def test_decode_batch_runs_longest_context_first():
+    runner = _runner()
+    runner.graph_runner = SimpleNamespace(can_run=lambda num_seqs, width: True)
+    bs = runner.block_size
+    short = _state("short", [1, 2, 3], 2, [4])
+    long = _state("long", list(range(40)), 39, [7, 3, 9])
+    mid = _state("mid", list(range(20)), 19, [6, 2])
+    mid.num_pending, mid.pending_row = 1, 0  # its 21st token is row 0 of the last step
+    mid.num_computed_tokens = 20
+    runner.requests = {"short": short, "long": long, "mid": mid}
+    sched = SchedulerOutput(num_scheduled_tokens={"short": 1, "long": 1, "mid": 1},
+                            total_num_scheduled_tokens=3)
+    states, inputs = runner._prepare_decode(sched)
+    assert [s.request_id for s in states] == ["long", "mid", "short"]
+    assert inputs.positions.tolist() == [39, 20, 2]
+    assert inputs.input_ids.tolist() == [39, 0, 3]  # mid's token is read on the device
+    assert inputs.pending_rows.tolist() == [-1, 0, -1]
+    assert inputs.slot_mapping.tolist() == [9 * bs + 7, 2 * bs + 4, 4 * bs + 2]
+    assert inputs.block_tables.tolist() == [[7, 3, 9], [6, 2, 0], [4, 0, 0]]
 
 
 def test_staging_buffers_rotate_without_touching_earlier_batches():
