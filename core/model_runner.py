@@ -359,17 +359,11 @@ class ModelRunner:
         pending_rows = np.fromiter((s.pending_row if s.num_pending else -1 for s in states),
                                    np.int64, num_seqs)
         bs = self.block_size
-        # Only the blocks the context occupies (the scheduler may have allocated more).
         num_blocks = positions // bs + 1
-        _check_allocated(states, num_blocks)
-        width = int(num_blocks.max())
-        if not self.graph_runner.can_run(num_seqs, width):
+        if not self.graph_runner.can_run(num_seqs, int(num_blocks.max())):
             return None
-        # One concatenate + one masked scatter instead of a numpy row copy per sequence.
-        flat = np.concatenate([s.block_table[:n] for s, n in zip(states, num_blocks.tolist())])
-        tables = np.zeros((num_seqs, width), dtype=np.int32)
-        tables[np.arange(width) < num_blocks[:, None]] = flat
-        slots = tables[np.arange(num_seqs), positions // bs].astype(np.int64) * bs + positions % bs
+        tables = _block_table(states, num_blocks)
+        slots = _slot_mapping(tables, np.arange(num_seqs), positions, bs)
         return states, DecodeInputs(input_ids, positions, slots, tables, pending_rows)
 
     def _prepare_inputs(self, sched: SchedulerOutput, prev: torch.Tensor | None) -> _Batch:
@@ -396,15 +390,9 @@ class ModelRunner:
                 input_ids.append(0)
         positions = np.arange(total, dtype=np.int64) + np.repeat(starts - qsl[:-1], counts)
         bs = self.block_size
-        # Only the blocks the context occupies (the scheduler may have allocated more).
-        num_blocks = (ends + bs - 1) // bs
-        _check_allocated(states, num_blocks)
-        width = int(num_blocks.max())
-        flat = np.concatenate([s.block_table[:n] for s, n in zip(states, num_blocks.tolist())])
-        table = np.zeros((b, width), dtype=np.int32)
-        table[np.arange(width) < num_blocks[:, None]] = flat
-        seq_of_token = np.repeat(np.arange(b), counts)
-        slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        table = _block_table(states, (ends + bs - 1) // bs)
+        width = table.shape[1]
+        slots = _slot_mapping(table, np.repeat(np.arange(b), counts), positions, bs)
         # Prefill done (or a decode): this step yields the request's next token.
         done = ends == np.fromiter((s.num_tokens for s in states), np.int64, b)
         logits_indices = qsl[1:][done] - 1
@@ -462,15 +450,32 @@ class ModelRunner:
         return host.to(self.device, non_blocking=True)
 
 
-def _check_allocated(states: list[CachedRequestState], num_blocks: np.ndarray) -> None:
-    """Every context must lie in blocks the scheduler gave it (a block table's spare entries
-    are zeros: reading one would write this request's keys into block 0)."""
+def _block_table(states: list[CachedRequestState], num_blocks: np.ndarray) -> np.ndarray:
+    """[len(states), max(num_blocks)] int32: each request's first ``num_blocks`` block ids (the
+    blocks its context occupies; the scheduler may have allocated more), zero-padded. One
+    concatenate and one masked scatter instead of a row copy per request.
+
+    Every context must lie in blocks the scheduler gave it: a spare entry is a zero, and
+    reading one would write this request's keys into block 0.
+    """
     allocated = np.fromiter((s.num_blocks for s in states), np.int64, len(states))
     short = np.flatnonzero(num_blocks > allocated)
     if short.size:
         i = int(short[0])
         raise RuntimeError(f"request {states[i].request_id} needs {int(num_blocks[i])} KV blocks "
                            f"for this step but holds {int(allocated[i])}")
+    width = int(num_blocks.max())
+    flat = np.concatenate([s.block_table[:n] for s, n in zip(states, num_blocks.tolist())])
+    table = np.zeros((len(states), width), dtype=np.int32)
+    table[np.arange(width) < num_blocks[:, None]] = flat
+    return table
+
+
+def _slot_mapping(table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+                  block_size: int) -> np.ndarray:
+    """int64 cache slot of each token at ``positions`` of the request in ``table`` row ``rows``."""
+    return (table[rows, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size)
 
 
 def _pack(buffer: np.ndarray, parts: tuple, align: int) -> list[slice]:

@@ -23,7 +23,6 @@ class StagingRing(Generic[T]):
     ``copied`` once the copies that read the set just acquired are queued."""
 
     def __init__(self, make: Callable[[], T], device: torch.device, sets: int = 2) -> None:
-        self._make = make
         self._cuda = device.type == "cuda"
         self._sets = [make() for _ in range(sets)]
         self._events: list[torch.cuda.Event | None] = [None] * sets
@@ -51,6 +50,5 @@ class StagingRing(Generic[T]):
         for event in self._events:
             if event is not None:
                 event.synchronize()
-        self._make = make
         self._sets = [make() for _ in self._sets]
         self._events = [None] * len(self._sets)
