@@ -144,32 +144,42 @@ def _time_device_waits() -> _WaitTimer:
     return timer
 
 
+def _around_steps(llm, first: int, last: int, begin, end) -> None:  # noqa: ANN001
+    """Call ``begin()`` before engine step ``first`` and ``end(seconds)`` after step ``last``
+    (steps counted from 1; ``seconds`` is their wall time)."""
+    engine = llm.engine
+    original = engine.step
+    state = {"n": 0, "t0": 0.0}
+
+    def step():  # noqa: ANN202
+        n = state["n"] = state["n"] + 1
+        if n == first:
+            begin()
+            state["t0"] = time.perf_counter()
+        out = original()
+        if n == last:
+            end(time.perf_counter() - state["t0"])
+        return out
+
+    engine.step = step
+
+
 def _cprofile_steps(llm, count: int) -> None:  # noqa: ANN001
     """cProfile the host from the first engine step through step ``count`` and print where its
     time went (the prefill phase, when ``count`` covers it)."""
     import cProfile
     import pstats
 
-    engine = llm.engine
-    original = engine.step
-    state = {"n": 0, "prof": cProfile.Profile()}
+    prof = cProfile.Profile()
 
-    def step():  # noqa: ANN202
-        n = state["n"] = state["n"] + 1
-        if n == 1:
-            state["t0"] = time.perf_counter()
-            state["prof"].enable()
-        out = original()
-        if n == count:
-            state["prof"].disable()
-            print(f"cprofile of steps 1..{count}: {(time.perf_counter() - state['t0']) * 1e3:.1f} "
-                  "ms under the profiler")
-            stats = pstats.Stats(state["prof"])
-            stats.sort_stats("tottime").print_stats(30)
-            stats.sort_stats("cumtime").print_stats(40)
-        return out
+    def end(seconds: float) -> None:
+        prof.disable()
+        print(f"cprofile of steps 1..{count}: {seconds * 1e3:.1f} ms under the profiler")
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumtime").print_stats(40)
 
-    engine.step = step
+    _around_steps(llm, 1, count, prof.enable, end)
 
 
 def _profile_steps(llm, first: int, count: int, trace: str | None = None) -> None:  # noqa: ANN001
@@ -177,35 +187,23 @@ def _profile_steps(llm, first: int, count: int, trace: str | None = None) -> Non
     print the kernels that take the device's time, with its busy time per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = llm.engine
-    original = engine.step
-    state = {"n": 0, "prof": None}
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
-    def step():  # noqa: ANN202
-        n = state["n"] = state["n"] + 1
-        if n == first:
-            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            state["prof"].__enter__()
-            state["t0"] = time.perf_counter()
-        out = original()
-        if n == first + count - 1 and state["prof"] is not None:
-            synchronize(llm.config.model.device)
-            wall = time.perf_counter() - state["t0"]
-            prof = state["prof"]
-            prof.__exit__(None, None, None)
-            events = prof.key_averages()
-            device_us = sum(e.self_device_time_total for e in events)
-            batch = len(engine.scheduler.running)
-            print(f"torch profile: steps {first}..{first + count - 1} (batch {batch}): "
-                  f"{wall / count * 1e3:.2f} ms a step wall, {device_us / count / 1e3:.2f} ms "
-                  "a step of device kernels")
-            print(events.table(sort_by="self_device_time_total", row_limit=18,
-                               max_name_column_width=60))
-            if trace:
-                prof.export_chrome_trace(trace)
-        return out
+    def end(seconds: float) -> None:
+        synchronize(llm.config.model.device)
+        prof.__exit__(None, None, None)
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        batch = len(llm.engine.scheduler.running)
+        print(f"torch profile: steps {first}..{first + count - 1} (batch {batch}): "
+              f"{seconds / count * 1e3:.2f} ms a step wall, {device_us / count / 1e3:.2f} ms "
+              "a step of device kernels")
+        print(events.table(sort_by="self_device_time_total", row_limit=18,
+                           max_name_column_width=60))
+        if trace:
+            prof.export_chrome_trace(trace)
 
-    engine.step = step
+    _around_steps(llm, first, first + count - 1, prof.__enter__, end)
 
 
 def _count_new_kernel_variants() -> dict[str, int]:
