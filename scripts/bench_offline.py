@@ -200,10 +200,58 @@ def _profile_steps(llm, first: int, count: int, trace: str | None = None) -> Non
               "a step of device kernels")
         print(events.table(sort_by="self_device_time_total", row_limit=18,
                            max_name_column_width=60))
-        if trace:
-            prof.export_chrome_trace(trace)
+        path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        _print_device_gaps(path, count)
 
     _around_steps(llm, first, first + count - 1, prof.__enter__, end)
+
+
+def _kind(name: str) -> str:
+    """A device event's family, for the gap table."""
+    if name.startswith(("Memcpy", "Memset")):
+        return " ".join(name.split()[:2])
+    if name.startswith("_") and name.endswith("_kernel"):
+        return name  # a Triton kernel of ops/triton
+    if any(tag in name for tag in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
+        return "cuBLAS GEMM"
+    return "other: " + name[:40]
+
+
+def _print_device_gaps(trace: str, steps: int) -> None:
+    """From a Chrome trace: how much of the profiled window the device was busy, and the idle
+    gaps between its kernels and copies, by what ran after each gap (under a CUDA graph a gap
+    before a kernel is that kernel's launch latency; long gaps are the device waiting for the
+    host)."""
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not device:
+        print("device gaps: no device events in the trace")
+        return
+    busy, short, long_, by_kind = 0.0, 0.0, 0.0, {}
+    end = device[0][0]
+    for start, stop, name in device:
+        gap = start - end
+        if gap > 0:
+            kind = _kind(name)
+            if gap > 20.0:  # us: not a launch gap; the device waited for the host
+                long_ += gap
+                kind = "(host wait > 20 us)"
+            else:
+                short += gap
+            n, total = by_kind.get(kind, (0, 0.0))
+            by_kind[kind] = (n + 1, total + gap)
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    window = end - device[0][0]
+    print(f"device gaps: window {window / steps / 1e3:.3f} ms a step, busy {busy / steps / 1e3:.3f}, "
+          f"launch gaps (<= 20 us) {short / steps / 1e3:.3f}, host waits {long_ / steps / 1e3:.3f}; "
+          f"{len(device) / steps:.0f} device events a step")
+    print(f"{'gap before':<48} {'a step':>7} {'us a step':>9} {'mean us':>8}")
+    for kind, (n, total) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f"{kind:<48} {n / steps:>7.1f} {total / steps:>9.1f} {total / n:>8.2f}")
 
 
 def _count_new_kernel_variants() -> dict[str, int]:
@@ -285,6 +333,9 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_tokens == work.num_output_tokens, (num_tokens, work.num_output_tokens)
+    if device.type == "cuda" and torch.cuda.tunable.tuning_is_enabled():
+        # PYTORCH_TUNABLEOP_TUNING=1: keep what this run tuned for the next one to read.
+        torch.cuda.tunable.write_file()
     steps = wait.calls
     print(f"bastion steps: {steps}, {seconds / max(steps, 1) * 1e3:.2f} ms a step, of which "
           f"{wait.seconds / max(steps, 1) * 1e3:.2f} ms waiting for the device's tokens "

@@ -120,20 +120,29 @@ def case_store_kvcache(num_tokens: int, iters: int) -> Row:
     return row
 
 
-def _attention_batch(q_lens: list[int], ctx_lens: list[int]):  # type: ignore[no-untyped-def]
+def _attention_batch(q_lens: list[int], ctx_lens: list[int], block_size: int = BLOCK,
+                     head_major: bool = False, shuffled: bool = True):  # type: ignore[no-untyped-def]
+    """Metadata, caches and queries of one attention call. The caches are [blocks, block_size,
+    Hk, D] views; ``head_major`` stores them as [blocks, Hk, block_size, D] underneath (each KV
+    head's tokens of a block contiguous). Block tables are shuffled unless ``shuffled`` is
+    False."""
     from bastion.core.forward_context import build_attention_metadata
 
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
-    per_seq = [-(-s // BLOCK) for s in seq_lens]
+    per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(per_seq) + 1
-    perm = torch.randperm(num_blocks).tolist()  # shuffled, non-contiguous block tables
+    perm = torch.randperm(num_blocks).tolist() if shuffled else list(range(num_blocks))
     tables, used = [], 0
     for n in per_seq:
         tables.append(perm[used : used + n])
         used += n
-    meta = build_attention_metadata(q_lens, seq_lens, tables, BLOCK, device=DEV)
-    k_cache = torch.randn(num_blocks, BLOCK, HK, D, dtype=BF16, device=DEV)
-    v_cache = torch.randn_like(k_cache)
+    meta = build_attention_metadata(q_lens, seq_lens, tables, block_size, device=DEV)
+    if head_major:
+        k_cache = torch.randn(num_blocks, HK, block_size, D, dtype=BF16, device=DEV)
+        k_cache = k_cache.permute(0, 2, 1, 3)
+    else:
+        k_cache = torch.randn(num_blocks, block_size, HK, D, dtype=BF16, device=DEV)
+    v_cache = torch.randn_like(k_cache)  # same strides as k_cache
     query = torch.randn(sum(q_lens), HQ, D, dtype=BF16, device=DEV)
     return meta, k_cache, v_cache, query
 
@@ -380,6 +389,155 @@ def attention_sweep(iters: int, copy_bw: float) -> None:
             torch.cuda.empty_cache()
 
 
+def decode_kernel_sweep(iters: int, copy_bw: float) -> None:
+    """Decode attention: the tensor-core kernel (its default and single-stage launch shapes)
+    against the CUDA-core kernel (``ops/triton/decode_attention.py``) on workload-like batches
+    (longest context first, shuffled block tables), with the largest difference between their
+    outputs."""
+    import random
+
+    rng = random.Random(0)
+    work = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
+    print(f"{'step':>4} {'batch':>5} {'kernel':>6} {'tile':>4} {'warps':>5} {'stages':>6} "
+          f"{'splits':>6} {'us':>8} {'TB/s':>5} {'of copy':>7} {'max err':>8}")
+    for step in (60, 400, 800, 900, 980):
+        ctx = sorted((p + step for p, o in work if o > step), reverse=True)
+        _decode_sweep_step(step, ctx, iters, copy_bw)
+        torch.cuda.empty_cache()
+
+
+def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) -> None:
+    from bastion.ops.triton import unified_attention as ua
+    from bastion.ops.triton.decode_attention import decode_attention_cores_triton
+
+    meta, k_cache, v_cache, query = _attention_batch([1] * len(ctx), ctx)
+    kv_bytes = 2 * sum(meta.seq_lens_cpu) * HK * D * 2
+    ref = ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5)
+    auto = ua._pick_num_splits(len(ctx), HK, 1, 1 << 15)
+    runs = []
+    for c in ((64, 4, 3), (64, 4, 1), (32, 4, 1), (64, 2, 1), (64, 2, 2), (32, 2, 2)):
+        runs.append(("mma", c, auto, lambda c=c: ua.paged_attention_triton(
+            query, k_cache, v_cache, meta, D**-0.5, num_splits=auto,
+            config=ua.KernelConfig(*c))))
+    splits = (1,) if len(ctx) > 128 else sorted({1, 2, 4, 8, auto})
+    for c in ((16, 4, 2), (32, 4, 1), (32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 1),
+              (64, 8, 2), (128, 8, 2)):
+        for n in splits:
+            runs.append(("cores", c, n, lambda c=c, n=n: decode_attention_cores_triton(
+                query, k_cache, v_cache, meta, D**-0.5, n, tile=c[0], num_warps=c[1],
+                num_stages=c[2])))
+    for kind, c, n, run in runs:
+        try:
+            err = max_err(run(), ref)
+            us = bench_graph(run, iters)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of registers or shared memory
+            print(f"{step:>4} {len(ctx):>5} {kind:>6} {c} failed: {str(exc)[:60]}")
+            continue
+        print(f"{step:>4} {len(ctx):>5} {kind:>6} {c[0]:>4} {c[1]:>5} {c[2]:>6} {n:>6} "
+              f"{us:>8.1f} {kv_bytes / us / 1e6:>5.2f} "
+              f"{kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%} {err:>8.4f}")
+
+
+def _read_kernels():  # type: ignore[no-untyped-def]
+    """Two read-only Triton kernels (defined on first use: the script imports no kernel code
+    before it knows it has a GPU)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stream_read(x_ptr, out_ptr, per_program, TILE: tl.constexpr):
+        base = tl.program_id(0).to(tl.int64) * per_program
+        acc = tl.zeros([TILE], dtype=tl.float32)
+        for start in range(0, per_program, TILE):
+            acc += tl.load(x_ptr + base + start + tl.arange(0, TILE)).to(tl.float32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+    @triton.jit
+    def paged_read(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stride_blk, stride_off,
+                   stride_h, stride_bt, TILE: tl.constexpr, KV_BLOCK: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):
+        seq, head = tl.program_id(0), tl.program_id(1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        offs_t, offs_d = tl.arange(0, TILE), tl.arange(0, HEAD_DIM)
+        acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
+        for tile in range(tl.cdiv(seq_len, TILE)):
+            pos = tile * TILE + offs_t
+            ok = pos < seq_len
+            blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // KV_BLOCK, mask=ok,
+                          other=0).to(tl.int64)
+            off = blk * stride_blk + (pos % KV_BLOCK) * stride_off + head * stride_h
+            k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+            acc += k.to(tl.float32) * v.to(tl.float32)
+        tl.store(out_ptr + seq * tl.num_programs(1) + head, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+    return stream_read, paged_read
+
+
+def _read_vs_attention(step: int, ctx: list[int], iters: int, copy_bw: float,
+                       paged_read) -> None:  # type: ignore[no-untyped-def]
+    for layout in (("16, token-major", 16, False, True),
+                   ("16, token-major, in order", 16, False, False),
+                   ("16, head-major", 16, True, True), ("64, head-major", 64, True, True),
+                   ("64, token-major", 64, False, True)):
+        _time_layout(step, ctx, iters, copy_bw, paged_read, *layout)
+        torch.cuda.empty_cache()
+
+
+def _time_layout(step: int, ctx: list[int], iters: int, copy_bw: float, paged_read,  # type: ignore[no-untyped-def]
+                 label: str, block_size: int, head_major: bool, shuffled: bool) -> None:
+    from bastion.ops.triton import unified_attention as ua
+
+    meta, k_cache, v_cache, query = _attention_batch([1] * len(ctx), ctx, block_size,
+                                                     head_major, shuffled)
+    kv_bytes = 2 * sum(meta.seq_lens_cpu) * HK * D * 2
+    out = torch.empty((len(ctx), HK), dtype=torch.float32, device=DEV)
+    bt = meta.block_tables
+    runs = {"attention": lambda: ua.paged_attention_triton(query, k_cache, v_cache, meta,
+                                                           D**-0.5)}
+    for stages in (2, 3):
+        runs[f"read, {stages} stages"] = lambda stages=stages: paged_read[(len(ctx), HK)](
+            out, k_cache, v_cache, bt, meta.seq_lens, k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), bt.stride(0), TILE=64, KV_BLOCK=block_size, HEAD_DIM=D,
+            num_warps=4, num_stages=stages)
+    for name, run in runs.items():
+        us = bench_graph(run, iters)
+        print(f"{step:>4} {len(ctx):>5} {label:>26} {name:>16} {us:>7.1f} "
+              f"{kv_bytes / us / 1e6:>5.2f} {kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%}")
+
+
+def read_bandwidth(iters: int, copy_bw: float) -> None:
+    """How fast this GPU reads, against the copy bandwidth the floors use: a 4 GiB read by
+    torch's sum and by a plain Triton streaming kernel, then the paged K/V of workload-like
+    decode batches read through their shuffled block tables with the attention kernel's access
+    pattern (64-token tiles, one program per sequence and KV head) but next to no arithmetic,
+    beside the attention kernel on the same batches. Graph-replayed."""
+    import random
+
+    stream_read, paged_read = _read_kernels()
+    x = torch.randn(1 << 31, dtype=BF16, device=DEV)  # 4 GiB
+    us = bench_graph(lambda x=x: torch.sum(x, dtype=torch.float32), iters)
+    print(f"copy {copy_bw / 1e12:.2f} TB/s; torch.sum read {x.nbytes / us / 1e6:.2f} TB/s")
+    for programs, warps in ((1056, 4), (4224, 4), (4224, 8)):
+        per = x.numel() // programs // 8192 * 8192
+        part = torch.empty(programs, dtype=torch.float32, device=DEV)
+        us = bench_graph(lambda x=x, programs=programs, per=per, part=part, warps=warps:
+                         stream_read[(programs,)](x, part, per, TILE=8192, num_warps=warps),
+                         iters)
+        print(f"stream read: {programs} programs, {warps} warps: "
+              f"{programs * per * 2 / us / 1e6:.2f} TB/s")
+    del x
+    torch.cuda.empty_cache()
+    rng = random.Random(0)
+    work = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
+    print(f"{'step':>4} {'batch':>5} {'block, layout':>26} {'kernel':>16} {'us':>7} {'TB/s':>5} "
+          f"{'of copy':>7}")
+    for step in (60, 800):
+        ctx = sorted((p + step for p, o in work if o > step), reverse=True)
+        _read_vs_attention(step, ctx, iters, copy_bw, paged_read)
+        torch.cuda.empty_cache()
+
+
 def prefill_sweep(iters: int) -> None:
     """Prefill attention's launch shapes on two of the nano-vllm workload's 16k-token chunks:
     whole prompts (uniform in [100, 1024]), and the same prompts' second halves over their first
@@ -428,6 +586,10 @@ def main() -> int:
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
     parser.add_argument("--attention-sweep", action="store_true",
                         help="time decode attention's launch shapes at workload-like batches")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="decode attention: tensor-core against CUDA-core kernel")
+    parser.add_argument("--read-bandwidth", action="store_true",
+                        help="this GPU's read bandwidth, and paged K/V reads against attention")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="time prefill attention's launch shapes on workload-like chunks")
     args = parser.parse_args()
@@ -443,6 +605,12 @@ def main() -> int:
         return 0
     if args.prefill_sweep:
         prefill_sweep(args.iters)
+        return 0
+    if args.decode_sweep:
+        decode_kernel_sweep(args.iters, copy_bw)
+        return 0
+    if args.read_bandwidth:
+        read_bandwidth(args.iters, copy_bw)
         return 0
     rows, failures = [], 0
     for name, run in all_cases(args.iters, args.quick):

@@ -6,12 +6,16 @@
 #   bash scripts/gpu_run.sh tests offline   # only these, in this order
 #
 # Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
-# launch shapes at workload-like batches), prefillsweep (prefill attention's launch shapes on
+# launch shapes at workload-like batches), decsweep (decode attention: tensor-core against
+# CUDA-core kernel), readbw (read bandwidth, and paged K/V reads beside
+# attention), prefillsweep (prefill attention's launch shapes on
 # workload-like 16k-token chunks), tests (GPU parity under CUDA
 # graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync: the
 # same without async scheduling; offtemp: the same sampling at temperature 0.6, as
 # nano-vllm's own script does; offenv: the same once per environment assignment in
-# $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2; offprof: the same under cProfile; prefillprof: the
+# $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2 (several variables in one run
+# joined by '+'); offprof: the same under cProfile; gpuprof: torch profiler at the steps in $PROF_POINTS,
+# with the device's idle gaps between kernels; prefillprof: the
 # first 12 steps under cProfile, then under the torch profiler with a Chrome trace in $OUT), floor (that
 # workload's bandwidth floor, measured in the same run), hf (a slice of the workload through
 # bastion and transformers' continuous batching, with the ratio), latency (Llama-3.1-8B
@@ -122,6 +126,10 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --quick --iters 30 ;;
     attnsweep) stage attnsweep 240 'copy|step|^ *[0-9]' -- \
       $PY scripts/gpu_kernel_check.py --attention-sweep --iters 30 ;;
+    decsweep) stage decsweep 300 'copy|step|^ *[0-9]' -- \
+      $PY scripts/gpu_kernel_check.py --decode-sweep --iters 30 ;;
+    readbw) stage readbw 150 'copy|stream|step|^ *[0-9]' -- \
+      $PY scripts/gpu_kernel_check.py --read-bandwidth --iters 30 ;;
     prefillsweep) stage prefillsweep 200 'copy|chunk|whole|halves' -- \
       $PY scripts/gpu_kernel_check.py --prefill-sweep --iters 20 ;;
     tests) stage tests 150 'passed|failed|error|bf16:' -- \
@@ -129,9 +137,9 @@ for s in $STAGES; do
     offline) stage offline 150 'workload|bastion|phase|steps 1-|batch >=|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf ;;
-    offenv) stage offenv 240 'environment|workload|bastion LLM|Error|error' -- bash -c \
+    offenv) stage offenv 400 'environment|workload|bastion LLM|Error|error' -- bash -c \
       "for e in ${OFFLINE_ENVS:-BASTION_DECODE_ATTENTION_CONFIG=64,4,2 BASTION_DECODE_ATTENTION_CONFIG=64,4,3}; do \
-      echo \"environment \$e\"; env \$e $PY scripts/bench_offline.py --model $QWEN \
+      echo \"environment \$e\"; env \${e//+/ } $PY scripts/bench_offline.py --model $QWEN \
       --load-format dummy --dtype bfloat16 $NANO --temperature 0 --max-num-batched-tokens 16384 \
       --skip-hf; done" ;;
     offtemp) stage offtemp 150 'workload|bastion|Error|error' -- \
@@ -143,7 +151,7 @@ for s in $STAGES; do
     offprof) stage offprof 150 'workload|bastion|cprofile|tottime|model_runner|scheduler|engine_core|llm.py|Error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf --cprofile ;;
-    gpuprof) stage gpuprof 150 'torch profile|Self CUDA|Name|^ *[a-z_].*[0-9]+\.[0-9]+(us|ms)|bastion|Error' -- bash -c \
+    gpuprof) stage gpuprof 150 'torch profile|device gaps|gap before|^_[a-z_]+ |cuBLAS|Memcpy|host wait|other:|bastion|Error' -- bash -c \
       "for w in ${PROF_POINTS:-60:5 400:5 800:5}; do $PY scripts/bench_offline.py --model $QWEN --load-format dummy \
       --dtype bfloat16 $NANO --temperature 0 --max-num-batched-tokens 16384 --skip-hf \
       --torch-profile \$w; done" ;;
