@@ -333,9 +333,6 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_tokens == work.num_output_tokens, (num_tokens, work.num_output_tokens)
-    if device.type == "cuda" and torch.cuda.tunable.tuning_is_enabled():
-        # PYTORCH_TUNABLEOP_TUNING=1: keep what this run tuned for the next one to read.
-        torch.cuda.tunable.write_file()
     steps = wait.calls
     print(f"bastion steps: {steps}, {seconds / max(steps, 1) * 1e3:.2f} ms a step, of which "
           f"{wait.seconds / max(steps, 1) * 1e3:.2f} ms waiting for the device's tokens "

@@ -6,8 +6,8 @@
 #   bash scripts/gpu_run.sh tests offline   # only these, in this order
 #
 # Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
-# launch shapes at workload-like batches), decsweep (decode attention: tensor-core against
-# CUDA-core kernel), readbw (read bandwidth, and paged K/V reads beside
+# launch shapes at workload-like batches), decsweep (decode attention's rows per program and
+# launch shapes), readbw (read bandwidth, and paged K/V reads beside
 # attention), prefillsweep (prefill attention's launch shapes on
 # workload-like 16k-token chunks), tests (GPU parity under CUDA
 # graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync: the

@@ -41,8 +41,8 @@ _MIN_SPLIT_KEYS = 256
 
 class KernelConfig(NamedTuple):
     """Launch shape of one attention call: keys per loop step, warps, pipeline stages, and rows
-    of a program's query block (query tokens x the query heads of one KV head; prefill only:
-    decode uses the smallest tile the dot allows)."""
+    of a program's query block (query tokens x the query heads of one KV head; a decode block
+    holds one token, so its other rows are padding)."""
 
     tile: int
     num_warps: int
@@ -64,7 +64,7 @@ def _config(env: str, default: KernelConfig) -> KernelConfig:
 
 
 # decode at 256 x 1.1k context: 319 us with 64-key tiles against 377 us with 32 (H200, bf16).
-DECODE_CONFIG = _config("BASTION_DECODE_ATTENTION_CONFIG", KernelConfig(64, 4, 3))
+DECODE_CONFIG = _config("BASTION_DECODE_ATTENTION_CONFIG", KernelConfig(64, 4, 3, 16))
 # prefill: 128-row query blocks and 8 warps measured 23,277 / 23,243 tok/s against 23,193 /
 # 23,201 with 64 rows and 4 warps (offline nano-vllm workload, same H200, alternating runs).
 PREFILL_CONFIG = _config("BASTION_PREFILL_ATTENTION_CONFIG", KernelConfig(64, 8, 3, 128))
@@ -319,7 +319,7 @@ def paged_attention_triton(
     is_decode = meta.max_query_len <= 1
     if config is None:
         config = DECODE_CONFIG if is_decode else PREFILL_CONFIG
-    block_m = 16 if is_decode else config.block_m
+    block_m = config.block_m
     block_m = max(block_m, triton.next_power_of_2(num_q_per_kv))
     block_q = block_m // num_q_per_kv
     # Decode: one program per sequence. Otherwise an upper bound on the query blocks.
