@@ -414,8 +414,10 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
     kv_bytes = 2 * sum(meta.seq_lens_cpu) * HK * D * 2
     ref = ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5)
     auto = ua._pick_num_splits(len(ctx), HK, 1, 1 << 15)
-    for c in ((64, 4, 3, 16), (64, 4, 3, 32), (64, 4, 3, 64), (64, 4, 2, 64), (64, 4, 3, 128),
-              (64, 4, 2, 128), (64, 8, 2, 128), (32, 4, 3, 64), (128, 4, 2, 64)):
+    # NOTE: session 5 call 7 measured 32-128 rows (all slower); call 8 one- and two-warp programs.
+    for c in ((64, 4, 3, 16), (16, 1, 3, 16), (16, 1, 4, 16), (32, 1, 3, 16), (32, 1, 2, 16),
+              (64, 1, 2, 16), (16, 2, 3, 16), (32, 2, 3, 16), (16, 4, 3, 16), (128, 4, 2, 16),
+              (128, 8, 2, 16)):
         def run(c=c) -> torch.Tensor:  # type: ignore[no-untyped-def]
             return ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5,
                                              num_splits=auto, config=ua.KernelConfig(*c))
