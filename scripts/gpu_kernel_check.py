@@ -92,6 +92,18 @@ def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref.float()).abs().max().item()
 
 
+def _check_and_time(run: Callable[[], torch.Tensor], ref: torch.Tensor,
+                    timer: Callable[[Callable[[], object], int], float], iters: int,
+                    label: str) -> tuple[float, float] | None:
+    """(max error of ``run()`` against ``ref``, its time by ``timer``), or None after printing
+    why this launch shape failed (e.g. it needs more shared memory than the GPU has)."""
+    try:
+        return max_err(run(), ref), timer(run, iters)
+    except Exception as exc:  # noqa: BLE001 - one shape must not end the sweep
+        print(f"{label} failed: {str(exc)[:60]}")
+        return None
+
+
 def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -422,20 +434,18 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
             return ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5,
                                              num_splits=auto, config=ua.KernelConfig(*c))
 
-        try:
-            err = max_err(run(), ref)
-            us = bench_graph(run, iters)
-        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-            print(f"{step:>4} {len(ctx):>5} {c} failed: {str(exc)[:60]}")
+        timed = _check_and_time(run, ref, bench_graph, iters, f"{step:>4} {len(ctx):>5} {c}")
+        if timed is None:
             continue
+        err, us = timed
         print(f"{step:>4} {len(ctx):>5} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} {auto:>6} "
               f"{us:>8.1f} {kv_bytes / us / 1e6:>5.2f} "
               f"{kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%} {err:>8.4f}")
 
 
 def _read_kernels():  # type: ignore[no-untyped-def]
-    """Two read-only Triton kernels (defined on first use: the script imports no kernel code
-    before it knows it has a GPU)."""
+    """Two Triton kernels that read without attention's softmax (defined on first use: the
+    script imports no kernel code before it knows it has a GPU)."""
     import triton
     import triton.language as tl
 
@@ -448,64 +458,48 @@ def _read_kernels():  # type: ignore[no-untyped-def]
         tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
     @triton.jit
-    def paged_read(out_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stride_blk, stride_off,
+    def paged_pass(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stride_blk, stride_off,
                    stride_h, stride_bt, TILE: tl.constexpr, KV_BLOCK: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):
-        seq, head = tl.program_id(0), tl.program_id(1)
-        seq_len = tl.load(seq_lens_ptr + seq)
-        offs_t, offs_d = tl.arange(0, TILE), tl.arange(0, HEAD_DIM)
-        acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
-        for tile in range(tl.cdiv(seq_len, TILE)):
-            pos = tile * TILE + offs_t
-            ok = pos < seq_len
-            blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // KV_BLOCK, mask=ok,
-                          other=0).to(tl.int64)
-            off = blk * stride_blk + (pos % KV_BLOCK) * stride_off + head * stride_h
-            k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-            v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-            acc += k.to(tl.float32) * v.to(tl.float32)
-        tl.store(out_ptr + seq * tl.num_programs(1) + head, tl.sum(tl.sum(acc, axis=1), axis=0))
-
-    @triton.jit
-    def paged_dots(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, stride_blk, stride_off,
-                   stride_h, stride_bt, TILE: tl.constexpr, KV_BLOCK: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-        # Attention's loads and both of its dots (q k^T, then p v), without the softmax.
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DOTS: tl.constexpr):
+        # Attention's loads of K and V through the block table; with DOTS also both of its dots
+        # (q k^T, then p v) but no softmax, else next to no arithmetic.
         seq, head = tl.program_id(0), tl.program_id(1)
         seq_len = tl.load(seq_lens_ptr + seq)
         offs_t, offs_d = tl.arange(0, TILE), tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + tl.arange(0, BLOCK_M)[:, None] * HEAD_DIM + offs_d[None, :])
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M if DOTS else TILE, HEAD_DIM], dtype=tl.float32)
         for tile in range(tl.cdiv(seq_len, TILE)):
             pos = tile * TILE + offs_t
             ok = pos < seq_len
             blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // KV_BLOCK, mask=ok,
                           other=0).to(tl.int64)
             off = blk * stride_blk + (pos % KV_BLOCK) * stride_off + head * stride_h
-            k = tl.load(k_ptr + off[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)
-            s = tl.dot(q, k)
             v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-            acc += tl.dot(s.to(v.dtype), v)
+            if DOTS:
+                k = tl.load(k_ptr + off[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)
+                acc += tl.dot(tl.dot(q, k).to(v.dtype), v)
+            else:
+                k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+                acc += k.to(tl.float32) * v.to(tl.float32)
         tl.store(out_ptr + seq * tl.num_programs(1) + head, tl.sum(tl.sum(acc, axis=1), axis=0))
 
-    return stream_read, paged_read, paged_dots
+    return stream_read, paged_pass
 
 
 def _read_vs_attention(step: int, ctx: list[int], iters: int, copy_bw: float,
-                       paged_read, paged_dots) -> None:  # type: ignore[no-untyped-def]
+                       paged_pass) -> None:  # type: ignore[no-untyped-def]
     # NOTE: session 5 (call 2) measured all five; the layouts are within 1.5 % of each other.
     layouts = [("16, token-major", 16, False, True), ("64, head-major", 64, True, True)]
     if os.environ.get("ALL_LAYOUTS"):
         layouts[1:1] = [("16, token-major, in order", 16, False, False),
                         ("16, head-major", 16, True, True), ("64, token-major", 64, False, True)]
     for layout in layouts:
-        _time_layout(step, ctx, iters, copy_bw, paged_read, paged_dots, *layout)
+        _time_layout(step, ctx, iters, copy_bw, paged_pass, *layout)
         torch.cuda.empty_cache()
 
 
-def _time_layout(step: int, ctx: list[int], iters: int, copy_bw: float, paged_read,  # type: ignore[no-untyped-def]
-                 paged_dots, label: str, block_size: int, head_major: bool,
-                 shuffled: bool) -> None:
+def _time_layout(step: int, ctx: list[int], iters: int, copy_bw: float, paged_pass,  # type: ignore[no-untyped-def]
+                 label: str, block_size: int, head_major: bool, shuffled: bool) -> None:
     from bastion.ops.triton import unified_attention as ua
 
     meta, k_cache, v_cache, query = _attention_batch([1] * len(ctx), ctx, block_size,
@@ -515,17 +509,13 @@ def _time_layout(step: int, ctx: list[int], iters: int, copy_bw: float, paged_re
     bt = meta.block_tables
     runs = {"attention": lambda: ua.paged_attention_triton(query, k_cache, v_cache, meta,
                                                            D**-0.5)}
-    for stages in (2, 3):
-        runs[f"read, {stages} stages"] = lambda stages=stages: paged_read[(len(ctx), HK)](
-            out, k_cache, v_cache, bt, meta.seq_lens, k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), bt.stride(0), TILE=64, KV_BLOCK=block_size, HEAD_DIM=D,
-            num_warps=4, num_stages=stages)
     q16 = torch.randn(16, D, dtype=k_cache.dtype, device=k_cache.device)
-    for stages in (2, 3):
-        runs[f"dots, {stages} stages"] = lambda stages=stages: paged_dots[(len(ctx), HK)](
-            out, q16, k_cache, v_cache, bt, meta.seq_lens, k_cache.stride(0),
-            k_cache.stride(1), k_cache.stride(2), bt.stride(0), TILE=64, KV_BLOCK=block_size,
-            HEAD_DIM=D, BLOCK_M=16, num_warps=4, num_stages=stages)
+    for dots, stages in ((False, 2), (False, 3), (True, 2), (True, 3)):
+        name = f"{'dots' if dots else 'read'}, {stages} stages"
+        runs[name] = lambda dots=dots, stages=stages: paged_pass[(len(ctx), HK)](
+            out, q16, k_cache, v_cache, bt, meta.seq_lens, k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), bt.stride(0), TILE=64, KV_BLOCK=block_size, HEAD_DIM=D,
+            BLOCK_M=16, DOTS=dots, num_warps=4, num_stages=stages)
     for name, run in runs.items():
         us = bench_graph(run, iters)
         print(f"{step:>4} {len(ctx):>5} {label:>26} {name:>16} {us:>7.1f} "
@@ -540,7 +530,7 @@ def read_bandwidth(iters: int, copy_bw: float) -> None:
     beside the attention kernel on the same batches. Graph-replayed."""
     import random
 
-    stream_read, paged_read, paged_dots = _read_kernels()
+    stream_read, paged_pass = _read_kernels()
     x = torch.randn(1 << 31, dtype=BF16, device=DEV)  # 4 GiB
     us = bench_graph(lambda x=x: torch.sum(x, dtype=torch.float32), iters)
     print(f"copy {copy_bw / 1e12:.2f} TB/s; torch.sum read {x.nbytes / us / 1e6:.2f} TB/s")
@@ -560,7 +550,7 @@ def read_bandwidth(iters: int, copy_bw: float) -> None:
           f"{'of copy':>7}")
     for step in (60, 800):
         ctx = sorted((p + step for p, o in work if o > step), reverse=True)
-        _read_vs_attention(step, ctx, iters, copy_bw, paged_read, paged_dots)
+        _read_vs_attention(step, ctx, iters, copy_bw, paged_pass)
         torch.cuda.empty_cache()
 
 
@@ -593,12 +583,10 @@ def prefill_sweep(iters: int) -> None:
             def run(config=config, batch=(query, k_cache, v_cache, meta)):  # type: ignore[no-untyped-def]
                 return ua.paged_attention_triton(*batch, D**-0.5, config=config)
 
-            try:
-                err = max_err(run(), ref)
-                us = bench(run, iters)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                print(f"{label:>6} {c} failed: {str(exc)[:60]}")
+            timed = _check_and_time(run, ref, bench, iters, f"{label:>6} {c}")
+            if timed is None:
                 continue
+            err, us = timed
             print(f"{label:>6} {sum(q_lens):>6} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} "
                   f"{us:>8.1f} {flops / us / 1e6:>7.1f} {err:>8.4f}")
         del meta, k_cache, v_cache, query
