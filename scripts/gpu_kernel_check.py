@@ -412,8 +412,8 @@ def decode_kernel_sweep(iters: int, copy_bw: float) -> None:
     rng = random.Random(0)
     work = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
     print(f"{'step':>4} {'batch':>5} {'tile':>4} {'warps':>5} {'stages':>6} {'block_m':>7} "
-          f"{'wsplit':>5} {'splits':>6} {'us':>8} {'TB/s':>5} {'of copy':>7} {'max err':>8}")
-    for step in (60, 800, 980):
+          f"{'splits':>6} {'us':>8} {'TB/s':>5} {'of copy':>7} {'max err':>8}")
+    for step in (60, 400, 800, 900, 980):
         ctx = sorted((p + step for p, o in work if o > step), reverse=True)
         _decode_sweep_step(step, ctx, iters, copy_bw)
         torch.cuda.empty_cache()
@@ -426,10 +426,9 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
     kv_bytes = 2 * sum(meta.seq_lens_cpu) * HK * D * 2
     ref = ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5)
     auto = ua._pick_num_splits(len(ctx), HK, 1, 1 << 15)
-    # NOTE: session 5 call 7 measured 32-128 rows (all slower), call 8 one- and two-warp
-    # programs (slower); call 10 the warp-split kernel (fifth field: key groups a step).
-    for c in ((64, 4, 3, 16), (64, 4, 3, 16, 4), (64, 4, 2, 16, 4), (128, 4, 2, 16, 4),
-              (128, 8, 2, 16, 8), (64, 2, 3, 16, 2)):
+    # NOTE: session 5 measured 32-128 rows (call 7), one- and two-warp programs (call 8) and a
+    # kernel splitting the key tile between warps (call 10, commit 8d086d0): all slower.
+    for c in ((64, 4, 3, 16), (64, 4, 2, 16), (128, 4, 3, 16), (32, 2, 3, 16)):
         def run(c=c) -> torch.Tensor:  # type: ignore[no-untyped-def]
             return ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5,
                                              num_splits=auto, config=ua.KernelConfig(*c))
@@ -438,7 +437,7 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
         if timed is None:
             continue
         err, us = timed
-        print(f"{step:>4} {len(ctx):>5} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} {c[4:]!s:>5} {auto:>6} "
+        print(f"{step:>4} {len(ctx):>5} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} {auto:>6} "
               f"{us:>8.1f} {kv_bytes / us / 1e6:>5.2f} "
               f"{kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%} {err:>8.4f}")
 

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 from bastion.ops.triton.attention_reduce import merge_attention_splits_triton
-from bastion.ops.triton.decode_warp_split import decode_warp_split_kernel
 from triton.runtime.errors import OutOfResources
 
 if TYPE_CHECKING:
@@ -49,11 +48,10 @@ class KernelConfig(NamedTuple):
     num_warps: int
     num_stages: int
     block_m: int = 64
-    warp_splits: int = 1  # decode: > 1 runs decode_warp_split's kernel with that many groups
 
 
 def _config(env: str, default: KernelConfig) -> KernelConfig:
-    """``default``, or ``tile,warps,stages[,block_m[,warp_splits]]`` from the environment variable ``env`` (for
+    """``default``, or ``tile,warps,stages[,block_m]`` from the environment variable ``env`` (for
     benchmarks that compare launch shapes inside the whole engine)."""
     value = os.environ.get(env, "").strip()
     if not value:
@@ -61,7 +59,7 @@ def _config(env: str, default: KernelConfig) -> KernelConfig:
     try:
         return KernelConfig(*(int(v) for v in value.split(",")))
     except (TypeError, ValueError):
-        raise ValueError(f"{env} must be 'tile,num_warps,num_stages[,block_m[,warp_splits]]'; got "
+        raise ValueError(f"{env} must be 'tile,num_warps,num_stages[,block_m]'; got "
                          f"{value!r}") from None
 
 
@@ -350,10 +348,6 @@ def paged_attention_triton(
     asked, config = config, _FITTED.get(config, config)
     while True:
         try:
-            if is_decode and config.warp_splits > 1:
-                _launch_warp_split(out, part_out, part_ml, query, k_cache, v_cache, meta, scale,
-                                   num_splits, block_m, head_pad, config)
-                break
             _unified_attention_kernel[grid](
                 out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
                 meta.query_start_loc, scale * _LOG2E, num_seqs,
@@ -380,23 +374,3 @@ def paged_attention_triton(
     if num_splits > 1:
         merge_attention_splits_triton(out, part_out, part_ml, meta.query_start_loc, num_seqs)
     return out
-
-
-def _launch_warp_split(out: torch.Tensor, part_out: torch.Tensor, part_ml: torch.Tensor,
-                       query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata, scale: float, num_splits: int, block_m: int,
-                       head_pad: int, config: KernelConfig) -> None:
-    num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
-    bt = meta.block_tables
-    decode_warp_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
-        meta.query_start_loc, scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
-        NUM_Q_PER_KV=query.shape[1] // num_kv_heads, BLOCK_M=block_m,
-        HEAD_DIM=query.shape[2], HEAD_PAD=head_pad, TILE=config.tile,
-        WARP_SPLITS=config.warp_splits, KV_BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
-        IEEE_DOT=query.dtype == torch.float32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
