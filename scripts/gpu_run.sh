@@ -7,16 +7,15 @@
 #
 # Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
 # launch shapes at workload-like batches), decsweep (decode attention's rows per program and
-# launch shapes), readbw (read bandwidth, and paged K/V reads beside
-# attention), prefillsweep (prefill attention's launch shapes on
-# workload-like 16k-token chunks), tests (GPU parity under CUDA
-# graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync: the
-# same without async scheduling; offtemp: the same sampling at temperature 0.6, as
+# launch shapes), readbw (read bandwidth, and paged K/V reads beside attention), prefillsweep
+# (prefill attention's launch shapes on workload-like 16k-token chunks), tests (GPU parity under
+# CUDA graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync:
+# the same without async scheduling; offtemp: the same sampling at temperature 0.6, as
 # nano-vllm's own script does; offenv: the same once per environment assignment in
-# $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2 (several variables in one run
-# joined by '+'); offprof: the same under cProfile; gpuprof: torch profiler at the steps in $PROF_POINTS,
-# with the device's idle gaps between kernels; prefillprof: the
-# first 12 steps under cProfile, then under the torch profiler with a Chrome trace in $OUT), floor (that
+# $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2, several variables in one run
+# joined by '+'; offprof: the same under cProfile; gpuprof: the torch profiler at the steps in
+# $PROF_POINTS, with the device's idle gaps between kernels; prefillprof: the first 12 steps
+# under cProfile, then under the torch profiler with a Chrome trace in $OUT), floor (that
 # workload's bandwidth floor, measured in the same run), hf (a slice of the workload through
 # bastion and transformers' continuous batching, with the ratio), latency (Llama-3.1-8B
 # architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite

@@ -608,3 +608,20 @@ def test_gpu_sampler_fused_path_real_vocab() -> None:
     first = draw([0, 1, 2])
     assert first[1] == int(logits[1].argmax())
     assert draw([2, 0])[1] == first[0] == draw([0])[0]
+
+
+def test_attention_config_from_the_environment_keeps_unset_fields(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = _K["unified_attention"]
+    default = mod.KernelConfig(64, 4, 3, 16)
+    env = "BASTION_TEST_ATTENTION_CONFIG"
+    monkeypatch.delenv(env, raising=False)
+    assert mod._config(env, default) == default
+    monkeypatch.setenv(env, "32,2,2")
+    assert mod._config(env, default) == mod.KernelConfig(32, 2, 2, 16)
+    monkeypatch.setenv(env, "32,2,2,64")
+    assert mod._config(env, default) == mod.KernelConfig(32, 2, 2, 64)
+    for bad in ("32,2", "32,2,2,64,1", "a,b,c"):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            mod._config(env, default)

@@ -52,12 +52,16 @@ class KernelConfig(NamedTuple):
 
 def _config(env: str, default: KernelConfig) -> KernelConfig:
     """``default``, or ``tile,warps,stages[,block_m]`` from the environment variable ``env`` (for
-    benchmarks that compare launch shapes inside the whole engine)."""
+    benchmarks that compare launch shapes inside the whole engine); a field left out keeps
+    ``default``'s value (decode's 16 rows, not the 64 a bare KernelConfig would get)."""
     value = os.environ.get(env, "").strip()
     if not value:
         return default
     try:
-        return KernelConfig(*(int(v) for v in value.split(",")))
+        given = [int(v) for v in value.split(",")]
+        if not 3 <= len(given) <= len(default):
+            raise ValueError
+        return KernelConfig(*given, *default[len(given):])
     except (TypeError, ValueError):
         raise ValueError(f"{env} must be 'tile,num_warps,num_stages[,block_m]'; got "
                          f"{value!r}") from None
