@@ -200,9 +200,11 @@ def _profile_steps(llm, first: int, count: int, trace: str | None = None) -> Non
               "a step of device kernels")
         print(events.table(sort_by="self_device_time_total", row_limit=18,
                            max_name_column_width=60))
-        path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
-        prof.export_chrome_trace(path)
-        _print_device_gaps(path, count)
+        # Without --profile-trace the trace (tens of MB) goes to a folder removed afterwards.
+        with tempfile.TemporaryDirectory() as tmp:
+            path = trace or os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            _print_device_gaps(path, count)
 
     _around_steps(llm, first, first + count - 1, prof.__enter__, end)
 

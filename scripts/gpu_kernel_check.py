@@ -361,25 +361,36 @@ def print_table(rows: list[Row], copy_bw: float) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
 
 
-def attention_sweep(iters: int, copy_bw: float) -> None:
-    """Decode attention's launch shapes at three points of the nano-vllm workload (prompts and
-    outputs uniform in [100, 1024]; at step s the sequences with more than s outputs remain,
-    each with its prompt plus s tokens of context), against the K/V bytes' copy floor."""
+def _decode_contexts(steps: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+    """The nano-vllm workload's decode batches (prompts and outputs uniform in [100, 1024],
+    256 sequences): at step s the sequences with more than s outputs remain, each with its
+    prompt plus s tokens of context; in the workload's order."""
     import random
-
-    from bastion.ops.triton import unified_attention as ua
 
     rng = random.Random(0)
     work = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
+    return [(step, [p + step for p, o in work if o > step]) for step in steps]
+
+
+def _kv_bytes(meta) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of K and V (bf16) a decode batch's attention reads over all its contexts."""
+    return 2 * sum(meta.seq_lens_cpu) * HK * D * 2
+
+
+def attention_sweep(iters: int, copy_bw: float) -> None:
+    """Decode attention's launch shapes at five points of the nano-vllm workload
+    (``_decode_contexts``), in the batch's order and longest first, against the K/V bytes'
+    copy floor."""
+    from bastion.ops.triton import unified_attention as ua
+
     print(f"{'step':>4} {'batch':>5} {'ctx':>5} {'order':>7} {'tile':>4} {'warps':>5} "
           f"{'stages':>6} {'splits':>6} {'us':>8} {'GB/s':>6} {'of floor':>8}")
-    for step in (60, 400, 800, 900, 980):
-        natural = [p + step for p, o in work if o > step]
+    for step, natural in _decode_contexts((60, 400, 800, 900, 980)):
         # Longest first: the GPU starts programs roughly in launch order, so the long
         # sequences start early and the last wave is made of short ones.
         for order, ctx in (("batch", natural), ("longest", sorted(natural, reverse=True))):
             batch = _attention_batch([1] * len(ctx), ctx)
-            kv_bytes = 2 * sum(batch[0].seq_lens_cpu) * HK * D * 2
+            kv_bytes = _kv_bytes(batch[0])
             floor_us = kv_bytes / copy_bw * 1e6
             configs = [ua.KernelConfig(*c, 16) for c in ((64, 4, 3), (64, 4, 2), (128, 4, 3))]
             for config in configs:
@@ -407,15 +418,10 @@ def decode_kernel_sweep(iters: int, copy_bw: float) -> None:
     up; more rows change how the dots and the softmax's row reductions spread over the warps)
     and launch shapes, on workload-like batches (longest context first, shuffled block
     tables), with the largest difference from the default's output."""
-    import random
-
-    rng = random.Random(0)
-    work = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
     print(f"{'step':>4} {'batch':>5} {'tile':>4} {'warps':>5} {'stages':>6} {'block_m':>7} "
           f"{'splits':>6} {'us':>8} {'TB/s':>5} {'of copy':>7} {'max err':>8}")
-    for step in (60, 400, 800, 900, 980):
-        ctx = sorted((p + step for p, o in work if o > step), reverse=True)
-        _decode_sweep_step(step, ctx, iters, copy_bw)
+    for step, ctx in _decode_contexts((60, 400, 800, 900, 980)):
+        _decode_sweep_step(step, sorted(ctx, reverse=True), iters, copy_bw)
         torch.cuda.empty_cache()
 
 
@@ -423,7 +429,7 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
     from bastion.ops.triton import unified_attention as ua
 
     meta, k_cache, v_cache, query = _attention_batch([1] * len(ctx), ctx)
-    kv_bytes = 2 * sum(meta.seq_lens_cpu) * HK * D * 2
+    kv_bytes = _kv_bytes(meta)
     ref = ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5)
     auto = ua._pick_num_splits(len(ctx), HK, 1, 1 << 15)
     # NOTE: session 5 measured 32-128 rows (call 7), one- and two-warp programs (call 8) and a
@@ -503,7 +509,7 @@ def _time_layout(step: int, ctx: list[int], iters: int, copy_bw: float, paged_pa
 
     meta, k_cache, v_cache, query = _attention_batch([1] * len(ctx), ctx, block_size,
                                                      head_major, shuffled)
-    kv_bytes = 2 * sum(meta.seq_lens_cpu) * HK * D * 2
+    kv_bytes = _kv_bytes(meta)
     out = torch.empty((len(ctx), HK), dtype=torch.float32, device=DEV)
     bt = meta.block_tables
     runs = {"attention": lambda: ua.paged_attention_triton(query, k_cache, v_cache, meta,
@@ -527,8 +533,6 @@ def read_bandwidth(iters: int, copy_bw: float) -> None:
     decode batches read through their shuffled block tables with the attention kernel's access
     pattern (64-token tiles, one program per sequence and KV head) but next to no arithmetic,
     beside the attention kernel on the same batches. Graph-replayed."""
-    import random
-
     stream_read, paged_pass = _read_kernels()
     x = torch.randn(1 << 31, dtype=BF16, device=DEV)  # 4 GiB
     us = bench_graph(lambda x=x: torch.sum(x, dtype=torch.float32), iters)
@@ -543,13 +547,10 @@ def read_bandwidth(iters: int, copy_bw: float) -> None:
               f"{programs * per * 2 / us / 1e6:.2f} TB/s")
     del x
     torch.cuda.empty_cache()
-    rng = random.Random(0)
-    work = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
     print(f"{'step':>4} {'batch':>5} {'block, layout':>26} {'kernel':>16} {'us':>7} {'TB/s':>5} "
           f"{'of copy':>7}")
-    for step in (60, 800):
-        ctx = sorted((p + step for p, o in work if o > step), reverse=True)
-        _read_vs_attention(step, ctx, iters, copy_bw, paged_pass)
+    for step, ctx in _decode_contexts((60, 800)):
+        _read_vs_attention(step, sorted(ctx, reverse=True), iters, copy_bw, paged_pass)
         torch.cuda.empty_cache()
 
 
