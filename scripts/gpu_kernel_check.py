@@ -414,15 +414,34 @@ def attention_sweep(iters: int, copy_bw: float) -> None:
 
 
 def decode_kernel_sweep(iters: int, copy_bw: float) -> None:
-    """Decode attention's rows per program (``block_m``: the query heads of one KV head padded
-    up; more rows change how the dots and the softmax's row reductions spread over the warps)
-    and launch shapes, on workload-like batches (longest context first, shuffled block
-    tables), with the largest difference from the default's output."""
+    """Decode attention's softmax (online, or each split's first tile's max for the whole split,
+    with the row sums in the loop or after it) and launch shapes, on workload-like batches
+    (longest context first, shuffled block tables), with the largest difference from the
+    default's output."""
     print(f"{'step':>4} {'batch':>5} {'tile':>4} {'warps':>5} {'stages':>6} {'block_m':>7} "
-          f"{'splits':>6} {'us':>8} {'TB/s':>5} {'of copy':>7} {'max err':>8}")
+          f"{'fixed':>5} {'regs':>4} {'splits':>6} {'us':>8} {'TB/s':>5} {'of copy':>7} "
+          f"{'max err':>8} {'regs/spill':>9}")
     for step, ctx in _decode_contexts((60, 400, 800, 900, 980)):
         _decode_sweep_step(step, sorted(ctx, reverse=True), iters, copy_bw)
         torch.cuda.empty_cache()
+
+
+def _compiled(fn) -> dict[int, object]:  # type: ignore[no-untyped-def]
+    """The kernels Triton has compiled for ``fn`` so far, by id (its per-device caches)."""
+    kernels: dict[int, object] = {}
+    for cache in getattr(fn, "device_caches", {}).values():
+        if isinstance(cache, tuple) and cache and isinstance(cache[0], dict):
+            kernels.update((id(k), k) for k in cache[0].values())
+    return kernels
+
+
+def _regs_after(fn, run: Callable[[], object]) -> str:  # type: ignore[no-untyped-def]
+    """Run once; 'registers/spilled bytes' of the kernel variants that this compiled."""
+    before = _compiled(fn)
+    run()
+    new = [k for i, k in _compiled(fn).items() if i not in before]
+    return ",".join(f"{getattr(k, 'n_regs', '?')}/{getattr(k, 'n_spills', '?')}"
+                    for k in new) or "-"
 
 
 def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) -> None:
@@ -434,18 +453,28 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
     auto = ua._pick_num_splits(len(ctx), HK, 1, 1 << 15)
     # NOTE: session 5 measured 32-128 rows (call 7), one- and two-warp programs (call 8) and a
     # kernel splitting the key tile between warps (call 10, commit 8d086d0): all slower.
-    for c in ((64, 4, 3, 16), (64, 4, 2, 16), (128, 4, 3, 16), (32, 2, 3, 16)):
+    # Session 6 (call 1): the first tile's max for the whole split (fixed 1, 2) was 17-38 %
+    # slower at every batch; its kernels need 229-242 registers against 154 (Triton 3.9's
+    # sm_90 build), so an SM holds two programs instead of three.
+    configs = [(64, 4, 3, 16, 0, r) for r in (0, 128, 104, 96)]
+    configs += [(64, 4, 2, 16, 0, 128), (128, 4, 3, 16, 0, 168), (32, 4, 3, 16, 0, 0),
+                (64, 4, 3, 16, 2, 152), (64, 4, 3, 16, 2, 128)]
+    for c in configs:
         def run(c=c) -> torch.Tensor:  # type: ignore[no-untyped-def]
             return ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5,
                                              num_splits=auto, config=ua.KernelConfig(*c))
 
+        try:
+            regs = _regs_after(ua._unified_attention_kernel, run)
+        except Exception as exc:  # noqa: BLE001 - one shape must not end the sweep
+            regs = f"failed: {str(exc)[:40]}"
         timed = _check_and_time(run, ref, bench_graph, iters, f"{step:>4} {len(ctx):>5} {c}")
         if timed is None:
             continue
         err, us = timed
-        print(f"{step:>4} {len(ctx):>5} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} {auto:>6} "
-              f"{us:>8.1f} {kv_bytes / us / 1e6:>5.2f} "
-              f"{kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%} {err:>8.4f}")
+        print(f"{step:>4} {len(ctx):>5} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} {c[4]:>5} "
+              f"{c[5]:>4} {auto:>6} {us:>8.1f} {kv_bytes / us / 1e6:>5.2f} "
+              f"{kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%} {err:>8.4f} {regs:>9}")
 
 
 def _read_kernels():  # type: ignore[no-untyped-def]
