@@ -414,13 +414,11 @@ def attention_sweep(iters: int, copy_bw: float) -> None:
 
 
 def decode_kernel_sweep(iters: int, copy_bw: float) -> None:
-    """Decode attention's softmax (online, or each split's first tile's max for the whole split,
-    with the row sums in the loop or after it) and launch shapes, on workload-like batches
-    (longest context first, shuffled block tables), with the largest difference from the
-    default's output."""
+    """Decode attention's launch shapes on workload-like batches (longest context first, shuffled
+    block tables), with the largest difference from the default's output and each compiled
+    variant's registers a thread and spilled bytes (which set how many programs an SM holds)."""
     print(f"{'step':>4} {'batch':>5} {'tile':>4} {'warps':>5} {'stages':>6} {'block_m':>7} "
-          f"{'fixed':>5} {'regs':>4} {'splits':>6} {'us':>8} {'TB/s':>5} {'of copy':>7} "
-          f"{'max err':>8} {'regs/spill':>9}")
+          f"{'splits':>6} {'us':>8} {'TB/s':>5} {'of copy':>7} {'max err':>8} {'regs/spill':>9}")
     for step, ctx in _decode_contexts((60, 400, 800, 900, 980)):
         _decode_sweep_step(step, sorted(ctx, reverse=True), iters, copy_bw)
         torch.cuda.empty_cache()
@@ -451,15 +449,10 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
     kv_bytes = _kv_bytes(meta)
     ref = ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5)
     auto = ua._pick_num_splits(len(ctx), HK, 1, 1 << 15)
-    # NOTE: session 5 measured 32-128 rows (call 7), one- and two-warp programs (call 8) and a
-    # kernel splitting the key tile between warps (call 10, commit 8d086d0): all slower.
-    # Session 6 (call 1): the first tile's max for the whole split (fixed 1, 2) was 17-38 %
-    # slower at every batch; its kernels need 229-242 registers against 154 (Triton 3.9's
-    # sm_90 build), so an SM holds two programs instead of three.
-    configs = [(64, 4, 3, 16, 0, r) for r in (0, 128, 104, 96)]
-    configs += [(64, 4, 2, 16, 0, 128), (128, 4, 3, 16, 0, 168), (32, 4, 3, 16, 0, 0),
-                (64, 4, 3, 16, 2, 152), (64, 4, 3, 16, 2, 128)]
-    for c in configs:
+    # NOTE: session 5 measured 32-128 rows (call 7), one- and two-warp programs (call 8)
+    # and key groups split between warps (call 10, commit 8d086d0); session 6 one max a split
+    # and register caps (commit aae00fc): all slower.
+    for c in ((64, 4, 3, 16), (64, 4, 2, 16), (128, 4, 3, 16), (32, 4, 3, 16)):
         def run(c=c) -> torch.Tensor:  # type: ignore[no-untyped-def]
             return ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5,
                                              num_splits=auto, config=ua.KernelConfig(*c))
@@ -472,8 +465,8 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
         if timed is None:
             continue
         err, us = timed
-        print(f"{step:>4} {len(ctx):>5} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} {c[4]:>5} "
-              f"{c[5]:>4} {auto:>6} {us:>8.1f} {kv_bytes / us / 1e6:>5.2f} "
+        print(f"{step:>4} {len(ctx):>5} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} {auto:>6} "
+              f"{us:>8.1f} {kv_bytes / us / 1e6:>5.2f} "
               f"{kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%} {err:>8.4f} {regs:>9}")
 
 

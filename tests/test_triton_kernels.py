@@ -255,39 +255,6 @@ def test_attention_decode_batch_with_graph_padding_rows(num_splits: int) -> None
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("fixed_max", [1, 2])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_attention_decode_with_the_first_tiles_max(fixed_max: int, num_splits: int) -> None:
-    # Decode whose softmax takes each split's first key tile's max for the whole split (no
-    # rescale in the loop): contexts over many 16-key tiles, one shorter than a tile, splits
-    # that see no key, GQA 6:2 (rows past the group are padding) and two graph-padding rows.
-    config = _K["unified_attention"].KernelConfig(16, 4, 2, 16, fixed_max)
-    _check_attention(
-        q_lens=[1, 1, 1, 1, 0, 0], ctx_lens=[95, 7, 40, 0, 0, 0], num_heads=6, num_kv_heads=2,
-        head_dim=32, block_size=8, num_splits=num_splits, config=config, num_pad_tokens=2,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("fixed_max", [1, 2])
-def test_attention_decode_first_tiles_max_falls_back_when_a_later_score_overflows(
-        fixed_max: int) -> None:
-    # One key in the third tile scores ~2^15 above everything in the first: 2^(s - first max)
-    # is infinite, so the program must redo its split with the online softmax. The exact answer
-    # is that key's value (every other weight underflows); without the fallback it is NaN.
-    mod = _K["unified_attention"]
-    meta, k_cache, v_cache, _, _ = _build_batch([1, 1], [60, 20], 1, 16, 8, torch.float32, CPU)
-    query = torch.zeros(2, 2, 16)
-    query[:, :, 0] = 100.0
-    big = int(meta.block_tables[0, 5])  # position 40: tile 2 of 16-key tiles
-    k_cache[big, 0, 0, 0] = 400.0
-    out = paged_attention_triton(query, k_cache, v_cache, meta, 0.25, num_splits=1,
-                                 config=mod.KernelConfig(16, 4, 2, 16, fixed_max))
-    ref = paged_attention_ref(query, k_cache, v_cache, meta, 0.25)
-    assert torch.isfinite(ref).all()
-    torch.testing.assert_close(out[0], v_cache[big, 0, 0].expand(2, 16), atol=1e-6, rtol=0)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
-
-
 def _count_merged_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The split count of every launch that merged splits, in order (a list filled later)."""
     mod = _K["unified_attention"]
@@ -556,16 +523,13 @@ _DEV = torch.device("cuda") if HAS_CUDA else CPU
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("fixed_max", [0, 1, 2])
 @pytest.mark.parametrize("num_splits", [None, 1])
-def test_gpu_attention_decode_qwen3_shape(num_splits: int | None, fixed_max: int) -> None:
+def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
     q_lens = [1] * 64
     ctx_lens = [
         int(c) for c in torch.randint(1, 2048, (64,), generator=torch.Generator().manual_seed(0))
     ]
-    config = _K["unified_attention"].DECODE_CONFIG._replace(fixed_max=fixed_max)
-    _check_attention(q_lens, ctx_lens, 16, 8, 128, 16, num_splits, torch.bfloat16, _DEV,
-                     atol=2e-2, config=config)
+    _check_attention(q_lens, ctx_lens, 16, 8, 128, 16, num_splits, torch.bfloat16, _DEV, atol=2e-2)
 
 
 @gpu
@@ -657,9 +621,7 @@ def test_attention_config_from_the_environment_keeps_unset_fields(
     assert mod._config(env, default) == mod.KernelConfig(32, 2, 2, 16)
     monkeypatch.setenv(env, "32,2,2,64")
     assert mod._config(env, default) == mod.KernelConfig(32, 2, 2, 64)
-    monkeypatch.setenv(env, "32,2,2,64,1")
-    assert mod._config(env, default) == mod.KernelConfig(32, 2, 2, 64, 1)
-    for bad in ("32,2", "32,2,2,64,1,0,7", "a,b,c"):
+    for bad in ("32,2", "32,2,2,64,1", "a,b,c"):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             mod._config(env, default)

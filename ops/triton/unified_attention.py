@@ -40,26 +40,20 @@ _MIN_SPLIT_KEYS = 256
 
 
 class KernelConfig(NamedTuple):
-    """Launch shape of one attention call: keys per loop step, warps, pipeline stages, rows of a
-    program's query block (query tokens x the query heads of one KV head; a decode block holds
-    one token, so its other rows are padding), for decode the softmax (0 online, 1 the first
-    tile's max for the whole split, 2 the same with the row sums taken after the loop), and a
-    cap on registers a thread (0: the compiler's choice), which sets how many programs an SM
-    holds at once."""
+    """Launch shape of one attention call: keys per loop step, warps, pipeline stages, and rows
+    of a program's query block (query tokens x the query heads of one KV head; a decode block
+    holds one token, so its other rows are padding)."""
 
     tile: int
     num_warps: int
     num_stages: int
     block_m: int = 64
-    fixed_max: int = 0
-    max_regs: int = 0
 
 
 def _config(env: str, default: KernelConfig) -> KernelConfig:
-    """``default``, or ``tile,warps,stages[,block_m[,fixed_max[,max_regs]]]`` from the
-    environment variable ``env`` (for benchmarks that compare launch shapes inside the whole
-    engine); a field left out keeps ``default``'s value (decode's 16 rows, not the 64 a bare
-    KernelConfig would get)."""
+    """``default``, or ``tile,warps,stages[,block_m]`` from the environment variable ``env`` (for
+    benchmarks that compare launch shapes inside the whole engine); a field left out keeps
+    ``default``'s value (decode's 16 rows, not the 64 a bare KernelConfig would get)."""
     value = os.environ.get(env, "").strip()
     if not value:
         return default
@@ -69,8 +63,8 @@ def _config(env: str, default: KernelConfig) -> KernelConfig:
             raise ValueError
         return KernelConfig(*given, *default[len(given):])
     except (TypeError, ValueError):
-        raise ValueError(f"{env} must be 'tile,num_warps,num_stages[,block_m[,fixed_max"
-                         f"[,max_regs]]]'; got {value!r}") from None
+        raise ValueError(f"{env} must be 'tile,num_warps,num_stages[,block_m]'; got "
+                         f"{value!r}") from None
 
 
 # decode at 256 x 1.1k context: 319 us with 64-key tiles against 377 us with 32 (H200, bf16).
@@ -78,79 +72,6 @@ DECODE_CONFIG = _config("BASTION_DECODE_ATTENTION_CONFIG", KernelConfig(64, 4, 3
 # prefill: 128-row query blocks and 8 warps measured 23,277 / 23,243 tok/s against 23,193 /
 # 23,201 with 64 rows and 4 warps (offline nano-vllm workload, same H200, alternating runs).
 PREFILL_CONFIG = _config("BASTION_PREFILL_ATTENTION_CONFIG", KernelConfig(64, 8, 3, 128))
-
-
-@triton.jit
-def _tile_scores(q, k_cache_ptr, bt_row, tile, offs_t, offs_d, d_ok, row_ok, q_pos, kv_end,
-                 kv_head, stride_k_blk, stride_k_off, stride_k_h, scale_log2,
-                 TILE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """Scores (log2 domain) of the query block against key tile ``tile``, -inf where a key is
-    past the block's context or causally hidden; and where that tile's keys sit in the cache."""
-    k_pos = tile * TILE + offs_t
-    k_ok = k_pos < kv_end
-    blk = tl.load(bt_row + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-    in_blk = (k_pos % KV_BLOCK_SIZE).to(tl.int64)
-    k_off = blk * stride_k_blk + in_blk * stride_k_off + kv_head * stride_k_h
-    k = tl.load(
-        k_cache_ptr + k_off[None, :] + offs_d[:, None],
-        mask=d_ok[:, None] & k_ok[None, :],
-        other=0.0,
-    )
-    if IEEE_DOT:
-        s = tl.dot(q, k, input_precision="ieee")
-    else:
-        s = tl.dot(q, k)
-    s = s * scale_log2
-    visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-    return tl.where(visible, s, float("-inf")), k_ok, blk, in_blk
-
-
-@triton.jit
-def _tile_pv(p, v_cache_ptr, k_ok, blk, in_blk, offs_d, d_ok, kv_head, stride_v_blk,
-             stride_v_off, stride_v_h, IEEE_DOT: tl.constexpr):
-    """``p`` [rows, TILE] times the tile's values [TILE, HEAD_PAD], in float32."""
-    v_off = blk * stride_v_blk + in_blk * stride_v_off + kv_head * stride_v_h
-    v = tl.load(
-        v_cache_ptr + v_off[:, None] + offs_d[None, :],
-        mask=k_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if IEEE_DOT:
-        return tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return tl.dot(p.to(v.dtype), v)
-
-
-@triton.jit
-def _online_softmax(q, k_cache_ptr, v_cache_ptr, bt_row, tile_lo, tile_hi, offs_t, offs_d,
-                    d_ok, row_ok, q_pos, kv_end, kv_head, stride_k_blk, stride_k_off,
-                    stride_k_h, stride_v_blk, stride_v_off, stride_v_h, scale_log2,
-                    BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr, TILE: tl.constexpr,
-                    KV_BLOCK_SIZE: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """Flash attention's loop over key tiles [tile_lo, tile_hi): running max ``m`` (log2
-    domain), running sum ``l`` and unnormalised output ``acc``, rescaled whenever the max rises."""
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    for tile in range(tile_lo, tile_hi):
-        s, k_ok, blk, in_blk = _tile_scores(
-            q, k_cache_ptr, bt_row, tile, offs_t, offs_d, d_ok, row_ok, q_pos, kv_end, kv_head,
-            stride_k_blk, stride_k_off, stride_k_h, scale_log2, TILE, KV_BLOCK_SIZE, IEEE_DOT)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = _tile_pv(p, v_cache_ptr, k_ok, blk, in_blk, offs_d, d_ok, kv_head, stride_v_blk,
-                      stride_v_off, stride_v_h, IEEE_DOT)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-# A row's sum of 2^(s - first tile's max) at or above this (or NaN) sends the program back to the
-# online softmax; below it no term nor the output can overflow float32 or bfloat16.
-_FIXED_MAX_LIMIT = tl.constexpr(2.0**64)
 
 
 # NOTE: Triton compiles a variant per integer argument that is 1, a multiple of 16 or neither.
@@ -190,7 +111,6 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     DECODE: tl.constexpr,
-    FIXED_MAX: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -248,55 +168,50 @@ def _unified_attention_kernel(
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
 
-    if FIXED_MAX:
-        # A decode row sees every key of its split, so the split's first tile gives each row a
-        # finite max. Scores rarely exceed it by much: take it as the row's max for the whole
-        # split (FlashDecoding++'s unified max), so the loop has no max, no rescale, and (with
-        # FIXED_MAX == 2) no cross-warp reduction at all. A row whose sum overflows the limit
-        # (some score 64 above the first tile's max) redoes the split with the online softmax.
-        s, k_ok, blk, in_blk = _tile_scores(
-            q, k_cache_ptr, bt_row, tile_lo, offs_t, offs_d, d_ok, row_ok, q_pos, kv_end,
-            kv_head, stride_k_blk, stride_k_off, stride_k_h, scale_log2, TILE, KV_BLOCK_SIZE,
-            IEEE_DOT)
-        m_i = tl.max(s, axis=1)  # -inf for padding rows and for a split with no keys
-        m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
-        p = tl.exp2(s - m_safe[:, None])
-        acc = _tile_pv(p, v_cache_ptr, k_ok, blk, in_blk, offs_d, d_ok, kv_head, stride_v_blk,
-                       stride_v_off, stride_v_h, IEEE_DOT)
-        if FIXED_MAX == 2:
-            l_cols = p  # summed over the tile's keys once, after the loop
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * TILE + offs_t
+        k_ok = k_pos < kv_end
+        blk = tl.load(bt_row + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        in_blk = (k_pos % KV_BLOCK_SIZE).to(tl.int64)
+        k_off = blk * stride_k_blk + in_blk * stride_k_off + kv_head * stride_k_h
+        k = tl.load(
+            k_cache_ptr + k_off[None, :] + offs_d[:, None],
+            mask=d_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if IEEE_DOT:
+            s = tl.dot(q, k, input_precision="ieee")
         else:
-            l_i = tl.sum(p, axis=1)
-        for tile in range(tile_lo + 1, tile_hi):
-            s, k_ok, blk, in_blk = _tile_scores(
-                q, k_cache_ptr, bt_row, tile, offs_t, offs_d, d_ok, row_ok, q_pos, kv_end,
-                kv_head, stride_k_blk, stride_k_off, stride_k_h, scale_log2, TILE,
-                KV_BLOCK_SIZE, IEEE_DOT)
-            p = tl.exp2(s - m_safe[:, None])
-            if FIXED_MAX == 2:
-                l_cols += p
-            else:
-                l_i += tl.sum(p, axis=1)
-            acc += _tile_pv(p, v_cache_ptr, k_ok, blk, in_blk, offs_d, d_ok, kv_head,
-                            stride_v_blk, stride_v_off, stride_v_h, IEEE_DOT)
-        if FIXED_MAX == 2:
-            l_i = tl.sum(l_cols, axis=1)
-        # NOTE: `not (l < limit)` is also true for NaN, which an infinite term leaves.
-        overflow = tl.where(row_ok & ~(l_i < _FIXED_MAX_LIMIT), 1, 0)
-        if tl.max(overflow, axis=0) > 0:
-            m_i, l_i, acc = _online_softmax(
-                q, k_cache_ptr, v_cache_ptr, bt_row, tile_lo, tile_hi, offs_t, offs_d, d_ok,
-                row_ok, q_pos, kv_end, kv_head, stride_k_blk, stride_k_off, stride_k_h,
-                stride_v_blk, stride_v_off, stride_v_h, scale_log2, BLOCK_M, HEAD_PAD, TILE,
-                KV_BLOCK_SIZE, IEEE_DOT)
-    else:
-        m_i, l_i, acc = _online_softmax(
-            q, k_cache_ptr, v_cache_ptr, bt_row, tile_lo, tile_hi, offs_t, offs_d, d_ok, row_ok,
-            q_pos, kv_end, kv_head, stride_k_blk, stride_k_off, stride_k_h, stride_v_blk,
-            stride_v_off, stride_v_h, scale_log2, BLOCK_M, HEAD_PAD, TILE, KV_BLOCK_SIZE,
-            IEEE_DOT)
+            s = tl.dot(q, k)
+        s = s * scale_log2
+        visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v_off = blk * stride_v_blk + in_blk * stride_v_off + kv_head * stride_v_h
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + offs_d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -448,9 +363,7 @@ def paged_attention_triton(
                 HEAD_DIM=head_dim, HEAD_PAD=head_pad, TILE=config.tile,
                 KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
                 IEEE_DOT=query.dtype == torch.float32, DECODE=is_decode,
-                FIXED_MAX=config.fixed_max if is_decode else 0,
                 num_warps=config.num_warps, num_stages=config.num_stages,
-                **({"maxnreg": config.max_regs} if config.max_regs else {}),
             )  # fmt: skip
             break
         except OutOfResources as exc:
