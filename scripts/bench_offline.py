@@ -254,6 +254,28 @@ def _print_device_gaps(trace: str, steps: int) -> None:
     print(f"{'gap before':<48} {'a step':>7} {'us a step':>9} {'mean us':>8}")
     for kind, (n, total) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])[:14]:
         print(f"{kind:<48} {n / steps:>7.1f} {total / steps:>9.1f} {total / n:>8.2f}")
+    # The host's CUDA API calls in the same window: a call that blocks (a synchronize, a
+    # cudaFree, a pageable copy) shows as a long one; launches are a few us each.
+    calls: dict[str, tuple[int, float, float]] = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and device[0][0] <= e["ts"] <= end:
+            n, total, longest = calls.get(e["name"], (0, 0.0, 0.0))
+            dur = e.get("dur", 0.0)
+            calls[e["name"]] = (n + 1, total + dur, max(longest, dur))
+    print(f"{'host CUDA call':<48} {'a step':>7} {'us a step':>9} {'max us':>8}")
+    for name, (n, total, longest) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]:
+        print(f"{name[:48]:<48} {n / steps:>7.1f} {total / steps:>9.1f} {longest:>8.1f}")
+
+
+def _allocator_counts(device: str) -> dict[str, int]:
+    """The CUDA caching allocator's counters that mean host stalls: cudaMalloc and cudaFree
+    calls (a free synchronises the device), and retries after freeing the cache."""
+    if not str(device).startswith("cuda"):
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0))
+            for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                      "num_sync_all_streams")}
 
 
 def _count_new_kernel_variants() -> dict[str, int]:
@@ -319,6 +341,7 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
 
         prof = cProfile.Profile()
     synchronize(device)
+    alloc_before = _allocator_counts(device)
     start = time.perf_counter()
     if prof is not None:
         prof.enable()
@@ -341,6 +364,10 @@ def run_bastion(args: argparse.Namespace, work: Workload) -> Result:
           f"(async scheduling {'on' if llm.engine.async_scheduling else 'off'}); "
           f"Triton kernel variants first built inside the timed run: {variants['n']}")
     wait.print_timeline(start)
+    alloc = _allocator_counts(device)
+    if alloc:
+        print("caching allocator in the timed run: " + ", ".join(
+            f"{k} {alloc[k] - alloc_before.get(k, 0)}" for k in alloc))
     del llm
     gc.collect()
     return Result("bastion LLM", len(work.prompts), num_tokens, seconds)

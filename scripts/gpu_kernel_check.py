@@ -27,6 +27,7 @@ import torch
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 HQ, HK, D, HIDDEN, INTER, BLOCK = 16, 8, 128, 1024, 3072, 16
+VOCAB = 151936
 
 
 @dataclass
@@ -285,6 +286,27 @@ def case_silu_and_mul(num_tokens: int, iters: int) -> Row:
     return row
 
 
+def case_sample(num_rows: int, iters: int, num_splits: int | None = None) -> Row:
+    """Greedy sampling of bf16 logits over Qwen3's vocabulary (graph-replayed: two launches);
+    the reference is torch's argmax."""
+    from bastion.ops.triton.sample import sample_tokens_triton
+
+    pieces = "auto" if num_splits is None else num_splits
+    row = Row("sample greedy", f"N={num_rows} V={VOCAB} pieces={pieces}")
+    logits = torch.randn(num_rows, VOCAB, device=DEV).to(BF16)
+    temps = torch.zeros(num_rows, device=DEV)
+    seeds = torch.zeros(num_rows, dtype=torch.int64, device=DEV)
+
+    def run() -> torch.Tensor:
+        return sample_tokens_triton(logits, temps, seeds, num_splits=num_splits)
+
+    row.max_err = float((run() != logits.argmax(dim=-1)).sum())
+    row.time_us = bench_graph(run, iters)
+    row.ref_us = bench_graph(lambda: logits.argmax(dim=-1), iters)
+    row.bytes_moved = nbytes(logits)
+    return row
+
+
 def case_fused_moe(num_tokens: int, iters: int) -> Row:
     from bastion.ops.moe import fused_moe_ref
     from bastion.ops.triton.fused_moe import fused_moe_triton
@@ -333,6 +355,10 @@ def all_cases(iters: int, quick: bool) -> list[tuple[str, Callable[[], Row]]]:
         ("norm_rope_store prefill", lambda: case_norm_rope_store(4096, iters)),
         ("silu_and_mul decode", lambda: case_silu_and_mul(decode_b, iters)),
         ("silu_and_mul prefill", lambda: case_silu_and_mul(4096, iters)),
+        ("sample 256", lambda: case_sample(256, iters)),
+        ("sample 256 one piece", lambda: case_sample(256, iters, 1)),
+        ("sample 14", lambda: case_sample(14, iters)),
+        ("sample 14 one piece", lambda: case_sample(14, iters, 1)),
     ]  # fmt: skip
     if importlib.util.find_spec("bastion.ops.triton.fused_moe") is not None:  # optional kernel
         cases.append(("fused_moe decode", lambda: case_fused_moe(decode_b, iters)))

@@ -444,6 +444,10 @@ def test_sample_greedy_rows_are_argmax_first_index_on_ties() -> None:
     tokens = sample_tokens_triton(logits, zeros, torch.arange(5))
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
     assert tokens[1] == 3 and tokens[3] == 36
+    # Rows read in three pieces of 16 (3 and 30 sit in different pieces; 36 in the short last
+    # one): the same tokens.
+    assert sample_tokens_triton(logits, zeros, torch.arange(5), num_splits=3).tolist() == \
+        tokens.tolist()
 
 
 def test_sample_draws_follow_softmax_over_temperature() -> None:
@@ -469,6 +473,20 @@ def test_sample_draws_follow_softmax_over_temperature() -> None:
     assert torch.equal(again, tokens[few])
     assert not torch.equal(sample_tokens_triton(logits[few], temperature[few], seeds[few] + 1),
                            tokens[few])
+
+
+def test_sample_draws_do_not_depend_on_how_a_row_is_split() -> None:
+    # A token's noise depends on its index, not on the piece of the row it was read in: rows
+    # of 100 tokens in one piece, in two of 64 and in seven of 16 draw the same tokens.
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, 100, generator=gen)
+    temperature = torch.full((40,), 0.8)
+    temperature[::5] = 0.0
+    seeds = torch.randint(0, 1 << 62, (40,), generator=gen)
+    draws = [sample_tokens_triton(logits, temperature, seeds, num_splits=n) for n in (1, 3, 7)]
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+    assert torch.equal(draws[0][::5], logits[::5].argmax(dim=-1))
+    assert not torch.equal(draws[0], logits.argmax(dim=-1))
 
 
 def test_sampler_takes_the_fused_pass_only_for_plain_unseeded_batches(
