@@ -191,16 +191,20 @@ class MultiprocExecutor:
         self.inboxes[rank].send_multipart(frames)
 
     def shutdown(self) -> None:
-        for sock in self.inboxes:
+        workers = self.workers if hasattr(self, "workers") else []
+        # Rank 0 last: it hosts the store of the workers' groups, which the other ranks' NCCL
+        # monitors poll every second; closed first, each of them logged a failed poll a second
+        # until it exited.
+        for rank in [*range(1, len(self.inboxes)), 0]:
             try:
-                sock.send_multipart(shutdown_frames(), flags=zmq.NOBLOCK)
+                self.inboxes[rank].send_multipart(shutdown_frames(), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        for worker in self.workers if hasattr(self, "workers") else []:
-            try:
-                worker.proc.wait(3.0)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+            if rank < len(workers):
+                try:
+                    workers[rank].proc.wait(3.0)
+                except subprocess.TimeoutExpired:
+                    workers[rank].kill()
         for sock in self.inboxes:
             sock.close(linger=0)
         self.outbox.close(linger=0)

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -641,6 +642,39 @@ def prefill_sweep(iters: int) -> None:
         torch.cuda.empty_cache()
 
 
+def gemm_host_cost(iters: int) -> None:
+    """Host time of one eager ``F.linear`` (what a prefill step pays per GEMM before the device
+    sees it), by shape and BLAS library, beside its device time. A profiled prefill step spent
+    175 us of host CPU inside each ``aten::mm`` (session 6, call 4)."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv": (HIDDEN, (HQ + 2 * HK) * D), "o": (HQ * D, HIDDEN),
+              "gate_up": (HIDDEN, 2 * INTER), "down": (INTER, HIDDEN), "lm_head": (HIDDEN, VOCAB)}
+    print(f"{'blas':>8} {'gemm':>8} {'M':>6} {'host us':>8} {'device us':>9}")
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for name, (k, n) in shapes.items():
+            w = torch.randn(n, k, dtype=BF16, device=DEV)
+            for m in (256, 4096, 16384):
+                x = torch.randn(m, k, dtype=BF16, device=DEV)
+                F.linear(x, w)
+                torch.cuda.synchronize()
+                calls = 8  # few enough that the launch queue never fills
+                host = []
+                for _ in range(max(iters // 10, 3)):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        F.linear(x, w)
+                    host.append((time.perf_counter() - start) / calls * 1e6)
+                    torch.cuda.synchronize()
+                dev = bench(lambda x=x, w=w: F.linear(x, w), iters)
+                print(f"{lib:>8} {name:>8} {m:>6} {min(host):>8.1f} {dev:>9.1f}")
+                del x
+            del w
+            torch.cuda.empty_cache()
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=100)
@@ -652,6 +686,8 @@ def main() -> int:
                         help="decode attention's rows per program and launch shapes")
     parser.add_argument("--read-bandwidth", action="store_true",
                         help="this GPU's read bandwidth, and paged K/V reads against attention")
+    parser.add_argument("--gemm-host", action="store_true",
+                        help="host time of an eager F.linear by shape and BLAS library")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="time prefill attention's launch shapes on workload-like chunks")
     args = parser.parse_args()
@@ -667,6 +703,9 @@ def main() -> int:
         return 0
     if args.prefill_sweep:
         prefill_sweep(args.iters)
+        return 0
+    if args.gemm_host:
+        gemm_host_cost(args.iters)
         return 0
     if args.decode_sweep:
         decode_kernel_sweep(args.iters, copy_bw)

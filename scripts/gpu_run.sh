@@ -8,7 +8,8 @@
 # Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
 # launch shapes at workload-like batches), decsweep (decode attention's rows per program and
 # launch shapes), readbw (read bandwidth, and paged K/V reads beside attention), prefillsweep
-# (prefill attention's launch shapes on workload-like 16k-token chunks), tests (GPU parity under
+# (prefill attention's launch shapes on workload-like 16k-token chunks), gemmhost (the host
+# time of an eager F.linear by shape, cuBLAS against cuBLASLt), tests (GPU parity under
 # CUDA graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync:
 # the same without async scheduling; offtemp: the same sampling at temperature 0.6, as
 # nano-vllm's own script does; offenv: the same once per environment assignment in
@@ -129,6 +130,8 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --decode-sweep --iters 30 ;;
     readbw) stage readbw 150 'copy|stream|step|^ *[0-9]' -- \
       $PY scripts/gpu_kernel_check.py --read-bandwidth --iters 30 ;;
+    gemmhost) stage gemmhost 120 'blas|cublas' -- \
+      $PY scripts/gpu_kernel_check.py --gemm-host --iters 30 ;;
     prefillsweep) stage prefillsweep 200 'copy|chunk|whole|halves' -- \
       $PY scripts/gpu_kernel_check.py --prefill-sweep --iters 20 ;;
     tests) stage tests 150 'passed|failed|error|bf16:' -- \

@@ -96,13 +96,26 @@ def test_head_count_that_does_not_divide_fails_at_startup() -> None:
     assert time.monotonic() - start < 30  # before any worker loads a model
 
 
-def test_tiny_qwen3_tp2_matches_single_process(tmp_path) -> None:
+def test_tiny_qwen3_tp2_matches_single_process(tmp_path, monkeypatch) -> None:
     path = save_tiny("qwen3", tmp_path)
     with LLM(path, skip_tokenizer_init=True, **SMALL_KV) as llm:
         expected = greedy_tokens(llm, as_id_prompts(TINY_PROMPTS))
     assert len({tuple(t) for t in expected}) > 1
     with LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, **SMALL_KV) as llm:
         assert greedy_tokens(llm, as_id_prompts(TINY_PROMPTS)) == expected
+        executor, exits = llm.engine.executor, []
+        for rank, worker in enumerate(executor.workers):
+            wait = worker.proc.wait
+
+            def recording(timeout=None, rank=rank, wait=wait):  # type: ignore[no-untyped-def]
+                code = wait(timeout)
+                exits.append((rank, [w.proc.poll() for w in executor.workers]))
+                return code
+
+            monkeypatch.setattr(worker.proc, "wait", recording)
+    # Rank 0 hosts the store that NCCL's monitors on the other ranks poll: it still runs when
+    # rank 1 has exited, then exits too, both cleanly.
+    assert exits == [(1, [None, 0]), (0, [0, 0])]
 
 
 # --------------------------------------------------------------------- expert parallel
