@@ -309,7 +309,8 @@ def _fused_sampler() -> Callable[..., torch.Tensor] | None:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``argmax`` of each row (the first index on ties); on a GPU one read of the logits in
-    their own dtype (0.02 against 0.055 ms for torch's argmax at 256 x 152k bf16 on an H200)."""
+    their own dtype (35 against 54 us for torch's argmax at 256 x 152k bf16 on an H200; 5.6
+    against 12 us at 14 rows)."""
     fused = _fused_sampler() if use_triton(logits) else None
     if fused is None:
         return logits.argmax(dim=-1)

@@ -644,13 +644,31 @@ def prefill_sweep(iters: int) -> None:
 
 def gemm_host_cost(iters: int) -> None:
     """Host time of one eager ``F.linear`` (what a prefill step pays per GEMM before the device
-    sees it), by shape and BLAS library, beside its device time. A profiled prefill step spent
-    175 us of host CPU inside each ``aten::mm`` (session 6, call 4)."""
+    sees it), by shape and BLAS library, beside its device time; then with the device busy
+    (a 20 ms kernel queued first, as in a prefill step, where the host runs ahead), for
+    cuBLAS and for a Triton launch. Session 6 (call 5): under cProfile a prefill step spent
+    118 us in each F.linear; standalone (call 6) 13-27 us."""
     import torch.nn.functional as F
+
+    from bastion.ops.triton.silu_and_mul import silu_and_mul_triton
 
     shapes = {"qkv": (HIDDEN, (HQ + 2 * HK) * D), "o": (HQ * D, HIDDEN),
               "gate_up": (HIDDEN, 2 * INTER), "down": (INTER, HIDDEN), "lm_head": (HIDDEN, VOCAB)}
-    print(f"{'blas':>8} {'gemm':>8} {'M':>6} {'host us':>8} {'device us':>9}")
+
+    def host_us(fn: Callable[[], object], busy: bool) -> float:
+        calls, best = 8, float("inf")  # few enough that the launch queue never fills
+        for _ in range(max(iters // 10, 3)):
+            torch.cuda.synchronize()
+            if busy:
+                torch.cuda._sleep(40_000_000)  # ~20 ms of device time
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+        return best
+
+    print(f"{'blas':>8} {'gemm':>8} {'M':>6} {'host us':>8} {'busy us':>8} {'device us':>9}")
     for lib in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(lib)
         for name, (k, n) in shapes.items():
@@ -658,21 +676,18 @@ def gemm_host_cost(iters: int) -> None:
             for m in (256, 4096, 16384):
                 x = torch.randn(m, k, dtype=BF16, device=DEV)
                 F.linear(x, w)
-                torch.cuda.synchronize()
-                calls = 8  # few enough that the launch queue never fills
-                host = []
-                for _ in range(max(iters // 10, 3)):
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        F.linear(x, w)
-                    host.append((time.perf_counter() - start) / calls * 1e6)
-                    torch.cuda.synchronize()
+                idle = host_us(lambda x=x, w=w: F.linear(x, w), busy=False)
+                busy = host_us(lambda x=x, w=w: F.linear(x, w), busy=True)
                 dev = bench(lambda x=x, w=w: F.linear(x, w), iters)
-                print(f"{lib:>8} {name:>8} {m:>6} {min(host):>8.1f} {dev:>9.1f}")
+                print(f"{lib:>8} {name:>8} {m:>6} {idle:>8.1f} {busy:>8.1f} {dev:>9.1f}")
                 del x
             del w
             torch.cuda.empty_cache()
     torch.backends.cuda.preferred_blas_library("cublas")
+    x = torch.randn(16384, 2 * INTER, dtype=BF16, device=DEV)
+    silu_and_mul_triton(x)
+    idle, busy = (host_us(lambda: silu_and_mul_triton(x), b) for b in (False, True))
+    print(f"{'triton':>8} {'silu':>8} {16384:>6} {idle:>8.1f} {busy:>8.1f}")
 
 
 def main() -> int:
