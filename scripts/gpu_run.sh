@@ -10,7 +10,8 @@
 # launch shapes), readbw (read bandwidth, and paged K/V reads beside attention), prefillsweep
 # (prefill attention's launch shapes on workload-like 16k-token chunks), gemmhost (the host
 # time of an eager F.linear by shape, cuBLAS against cuBLASLt), tests (GPU parity under
-# CUDA graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights; offsync:
+# CUDA graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights, prefill
+# chunks of $MAX_BATCHED tokens, default 16384; offsync:
 # the same without async scheduling; offtemp: the same sampling at temperature 0.6, as
 # nano-vllm's own script does; offenv: the same once per environment assignment in
 # $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2, several variables in one run
@@ -138,7 +139,7 @@ for s in $STAGES; do
       $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu tests/test_triton_kernels.py -m gpu ;;
     offline) stage offline 150 'workload|bastion|phase|steps 1-|batch >=|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
-      --temperature 0 --max-num-batched-tokens 16384 --skip-hf ;;
+      --temperature 0 --max-num-batched-tokens ${MAX_BATCHED:-16384} --skip-hf ;;
     offenv) stage offenv 400 'environment|workload|bastion LLM|Error|error' -- bash -c \
       "for e in ${OFFLINE_ENVS:-BASTION_DECODE_ATTENTION_CONFIG=64,4,2 BASTION_DECODE_ATTENTION_CONFIG=64,4,3}; do \
       echo \"environment \$e\"; env \${e//+/ } $PY scripts/bench_offline.py --model $QWEN \
