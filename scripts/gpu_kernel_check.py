@@ -460,10 +460,9 @@ def _compiled(fn) -> dict[int, object]:  # type: ignore[no-untyped-def]
     return kernels
 
 
-def _regs_after(fn, run: Callable[[], object]) -> str:  # type: ignore[no-untyped-def]
-    """Run once; 'registers/spilled bytes' of the kernel variants that this compiled."""
-    before = _compiled(fn)
-    run()
+def _regs_since(fn, before: dict[int, object]) -> str:  # type: ignore[no-untyped-def]
+    """'registers/spilled bytes' of the kernel variants of ``fn`` compiled since ``before``
+    (``_compiled(fn)`` taken earlier); '-' when none was."""
     new = [k for i, k in _compiled(fn).items() if i not in before]
     return ",".join(f"{getattr(k, 'n_regs', '?')}/{getattr(k, 'n_spills', '?')}"
                     for k in new) or "-"
@@ -484,14 +483,12 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
             return ua.paged_attention_triton(query, k_cache, v_cache, meta, D**-0.5,
                                              num_splits=auto, config=ua.KernelConfig(*c))
 
-        try:
-            regs = _regs_after(ua._unified_attention_kernel, run)
-        except Exception as exc:  # noqa: BLE001 - one shape must not end the sweep
-            regs = f"failed: {str(exc)[:40]}"
+        before = _compiled(ua._unified_attention_kernel)
         timed = _check_and_time(run, ref, bench_graph, iters, f"{step:>4} {len(ctx):>5} {c}")
         if timed is None:
             continue
         err, us = timed
+        regs = _regs_since(ua._unified_attention_kernel, before)
         print(f"{step:>4} {len(ctx):>5} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} {auto:>6} "
               f"{us:>8.1f} {kv_bytes / us / 1e6:>5.2f} "
               f"{kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%} {err:>8.4f} {regs:>9}")
@@ -698,7 +695,7 @@ def main() -> int:
     parser.add_argument("--attention-sweep", action="store_true",
                         help="time decode attention's launch shapes at workload-like batches")
     parser.add_argument("--decode-sweep", action="store_true",
-                        help="decode attention's rows per program and launch shapes")
+                        help="decode attention's launch shapes, with registers and spills")
     parser.add_argument("--read-bandwidth", action="store_true",
                         help="this GPU's read bandwidth, and paged K/V reads against attention")
     parser.add_argument("--gemm-host", action="store_true",

@@ -6,14 +6,14 @@
 #   bash scripts/gpu_run.sh tests offline   # only these, in this order
 #
 # Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
-# launch shapes at workload-like batches), decsweep (decode attention's rows per program and
-# launch shapes), readbw (read bandwidth, and paged K/V reads beside attention), prefillsweep
-# (prefill attention's launch shapes on workload-like 16k-token chunks), gemmhost (the host
-# time of an eager F.linear by shape, cuBLAS against cuBLASLt), tests (GPU parity under
-# CUDA graphs), offline (nano-vllm workload, Qwen3-0.6B architecture, dummy weights, prefill
-# chunks of $MAX_BATCHED tokens, default 16384; offsync:
-# the same without async scheduling; offtemp: the same sampling at temperature 0.6, as
-# nano-vllm's own script does; offenv: the same once per environment assignment in
+# launch shapes at workload-like batches), decsweep (decode attention's launch shapes, with
+# each variant's registers and spills), readbw (read bandwidth, and paged K/V reads beside
+# attention), prefillsweep (prefill attention's launch shapes on workload-like 16k-token
+# chunks), gemmhost (the host time of an eager F.linear by shape, cuBLAS against cuBLASLt, and
+# of a Triton launch), tests (GPU parity under CUDA graphs), offline (nano-vllm workload,
+# Qwen3-0.6B architecture, dummy weights, prefill chunks of $MAX_BATCHED tokens, default
+# 16384; offsync: the same without async scheduling; offtemp: the same sampling at temperature
+# 0.6, as nano-vllm's own script does; offenv: the same once per environment assignment in
 # $OFFLINE_ENVS, e.g. BASTION_DECODE_ATTENTION_CONFIG=64,4,2, several variables in one run
 # joined by '+'; offprof: the same under cProfile; gpuprof: the torch profiler at the steps in
 # $PROF_POINTS, with the device's idle gaps between kernels; prefillprof: the first 12 steps
@@ -131,7 +131,7 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --decode-sweep --iters 30 ;;
     readbw) stage readbw 150 'copy|stream|step|^ *[0-9]' -- \
       $PY scripts/gpu_kernel_check.py --read-bandwidth --iters 30 ;;
-    gemmhost) stage gemmhost 120 'blas|cublas' -- \
+    gemmhost) stage gemmhost 120 'blas|triton' -- \
       $PY scripts/gpu_kernel_check.py --gemm-host --iters 30 ;;
     prefillsweep) stage prefillsweep 200 'copy|chunk|whole|halves' -- \
       $PY scripts/gpu_kernel_check.py --prefill-sweep --iters 20 ;;
