@@ -2,72 +2,29 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from bastion.core.forward_context import AttentionMetadata
 from bastion.ops._dispatch import triton_launcher, use_triton
-from bastion.ops.rotary import apply_rotary_emb_ref
 
 # Decode batches gather their context in chunks of at most this many key elements (per cache),
 # so a large batch never materialises one huge gathered copy of the cache.
 _MAX_GATHER_ELEMENTS = 1 << 26
 
 
-class DecodeRope(NamedTuple):
-    """A decode batch's new keys and values before the rotary embedding, and what rotating them
-    takes (neox style over the whole head; for Qwen3 each head's RMSNorm first): with these,
-    attention rotates the query and the key itself and stores the key and the value of each
-    new token in the cache, so a decode layer launches one kernel where it launched two."""
-
-    key: torch.Tensor  # [T, Hk*D], rows may be strided views of a fused QKV output
-    value: torch.Tensor  # [T, Hk*D]
-    cos_sin_cache: torch.Tensor  # [max_pos, D] float32: cos half, then sin half
-    q_weight: torch.Tensor | None = None  # [D] per-head RMSNorm weights, or None
-    k_weight: torch.Tensor | None = None
-    eps: float = 0.0
-
-
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float,
-                    rope: DecodeRope | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """``query`` [T, Hq, D] -> ``out`` [T, Hq, D].
 
     Reads every key/value of each sequence (the cached prefix and the new tokens, which were
     stored first) from the caches [num_blocks, block_size, Hk, D] through ``meta.block_tables``.
     GQA: ``Hq`` is a multiple of ``Hk``. Rows of padding tokens past the last sequence are zero.
-
-    ``rope`` (decode-only batches): ``query`` and ``rope.key`` are not yet rotated and the new
-    tokens are not yet stored; each new token sits at position ``seq_len - 1`` and is stored at
-    that position's slot of its block table (padding rows, with no sequence, store nothing).
     """
     if use_triton(query, k_cache):
         launcher = triton_launcher("unified_attention", "paged_attention_triton")
         if launcher is not None:
-            return launcher(query, k_cache, v_cache, meta, scale, rope=rope)
-    if rope is not None:
-        query = rotate_and_store_decode_ref(query, k_cache, v_cache, meta, rope)
+            return launcher(query, k_cache, v_cache, meta, scale)
     return paged_attention_ref(query, k_cache, v_cache, meta, scale)
-
-
-def rotate_and_store_decode_ref(query: torch.Tensor, k_cache: torch.Tensor,
-                                v_cache: torch.Tensor, meta: AttentionMetadata,
-                                rope: DecodeRope) -> torch.Tensor:
-    """What a ``DecodeRope`` asks of attention, in the unfused ops: the rotated query (padding
-    rows zero) after the rotated keys and the values are stored."""
-    if not meta.is_decode_only:
-        raise ValueError("a DecodeRope needs a decode-only batch (one new token a sequence)")
-    num_real, head_dim = meta.query_start_loc_cpu[-1], query.shape[-1]
-    positions = meta.seq_lens[:num_real].long() - 1
-    rotated, _ = apply_rotary_emb_ref(
-        positions, query[:num_real].reshape(num_real, -1), rope.key[:num_real],
-        rope.cos_sin_cache, head_dim, True, q_weight=rope.q_weight, k_weight=rope.k_weight,
-        eps=rope.eps, value=rope.value[:num_real], k_cache=k_cache, v_cache=v_cache,
-        slot_mapping=meta.slot_mapping[:num_real])
-    out = torch.zeros_like(query)
-    out[:num_real] = rotated.view(num_real, *query.shape[1:])
-    return out
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -494,53 +494,6 @@ def _decode_sweep_step(step: int, ctx: list[int], iters: int, copy_bw: float) ->
               f"{kv_bytes / us / 1e6 / (copy_bw / 1e12):>7.0%} {err:>8.4f} {regs:>9}")
 
 
-def rope_fusion(iters: int) -> None:
-    """Decode's attention input two ways at five points of the nano-vllm workload: the fused
-    norm-rotary-store kernel then attention (two launches), against attention that norms,
-    rotates and stores itself (one launch); graph-replayed, with the outputs' largest
-    difference and the one-launch variant's registers/spills."""
-    print(f"{'step':>4} {'batch':>5} {'two launches us':>15} {'one launch us':>13} "
-          f"{'saved us':>8} {'max err':>8} {'regs two':>10} {'regs one':>10}")
-    for step, ctx in _decode_contexts((60, 400, 800, 900, 980)):
-        _rope_fusion_step(step, sorted(ctx, reverse=True), iters)
-        torch.cuda.empty_cache()
-
-
-def _rope_fusion_step(step: int, ctx: list[int], iters: int) -> None:
-    from bastion.ops.attention import DecodeRope
-    from bastion.ops.triton import unified_attention as ua
-    from bastion.ops.triton.rotary import apply_rotary_emb_triton
-
-    meta, k_cache, v_cache, _ = _attention_batch([1] * len(ctx), ctx)
-    cos_sin, qkv, _ = _rotary_inputs(len(ctx))
-    q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
-    w = [1 + 0.1 * torch.randn(D, dtype=BF16, device=DEV) for _ in range(2)]
-    pos = meta.seq_lens.long() - 1
-    splits = ua._pick_num_splits(len(ctx), HK, 1, 1 << 15)
-    rope = DecodeRope(k, v, cos_sin, w[0], w[1], 1e-6)
-
-    def two() -> torch.Tensor:
-        qr, _ = apply_rotary_emb_triton(pos, q, k, cos_sin, D, q_weight=w[0], k_weight=w[1],
-                                        eps=1e-6, value=v, k_cache=k_cache, v_cache=v_cache,
-                                        slot_mapping=meta.slot_mapping)
-        return ua.paged_attention_triton(qr.view(-1, HQ, D), k_cache, v_cache, meta, D**-0.5,
-                                         num_splits=splits)
-
-    def one() -> torch.Tensor:
-        return ua.paged_attention_triton(q.view(-1, HQ, D), k_cache, v_cache, meta, D**-0.5,
-                                         num_splits=splits, rope=rope)
-
-    before = _compiled(ua._unified_attention_kernel)
-    ref = two().float()
-    regs_two = _regs_since(ua._unified_attention_kernel, before)
-    before = _compiled(ua._unified_attention_kernel)
-    err = (one().float() - ref).abs().max().item()
-    regs = _regs_since(ua._unified_attention_kernel, before)
-    us_two, us_one = bench_graph(two, iters), bench_graph(one, iters)
-    print(f"{step:>4} {len(ctx):>5} {us_two:>15.1f} {us_one:>13.1f} {us_two - us_one:>8.1f} "
-          f"{err:>8.4f} {regs_two:>10} {regs:>10}")
-
-
 def _read_kernels():  # type: ignore[no-untyped-def]
     """Two Triton kernels that read without attention's softmax (defined on first use: the
     script imports no kernel code before it knows it has a GPU)."""
@@ -749,9 +702,6 @@ def main() -> int:
                         help="host time of an eager F.linear by shape and BLAS library")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="time prefill attention's launch shapes on workload-like chunks")
-    parser.add_argument("--rope-fusion", action="store_true",
-                        help="decode attention that rotates and stores itself, against two "
-                             "launches")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_kernel_check needs a CUDA GPU", file=sys.stderr)
@@ -762,9 +712,6 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {copy_bw / 1e12:.2f} TB/s")
     if args.attention_sweep:
         attention_sweep(args.iters, copy_bw)
-        return 0
-    if args.rope_fusion:
-        rope_fusion(args.iters)
         return 0
     if args.prefill_sweep:
         prefill_sweep(args.iters)

@@ -7,8 +7,7 @@
 #
 # Stages: kernels (Triton kernels vs torch references, timed), attnsweep (decode attention's
 # launch shapes at workload-like batches), decsweep (decode attention's launch shapes, with
-# each variant's registers and spills), ropefusion (decode attention that norms, rotates and
-# stores the new K/V itself, against the separate kernel then attention), readbw (read bandwidth, and paged K/V reads beside
+# each variant's registers and spills), readbw (read bandwidth, and paged K/V reads beside
 # attention), prefillsweep (prefill attention's launch shapes on workload-like 16k-token
 # chunks), gemmhost (the host time of an eager F.linear by shape, cuBLAS against cuBLASLt, and
 # of a Triton launch), tests (GPU parity under CUDA graphs), offline (nano-vllm workload,
@@ -130,8 +129,6 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --attention-sweep --iters 30 ;;
     decsweep) stage decsweep 300 'copy|step|^ *[0-9]' -- \
       $PY scripts/gpu_kernel_check.py --decode-sweep --iters 30 ;;
-    ropefusion) stage ropefusion 150 'copy|step|^ *[0-9]|Error' -- \
-      $PY scripts/gpu_kernel_check.py --rope-fusion --iters 30 ;;
     readbw) stage readbw 150 'copy|stream|step|^ *[0-9]' -- \
       $PY scripts/gpu_kernel_check.py --read-bandwidth --iters 30 ;;
     gemmhost) stage gemmhost 120 'blas|triton' -- \

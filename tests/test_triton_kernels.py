@@ -432,78 +432,6 @@ def test_rotary_fused_gptj_style_odd_heads_and_head_dim() -> None:
                            is_neox=False)
 
 
-def _check_decode_rope(ctx_lens: list[int], num_splits: int | None, qk_norm: bool,
-                       dtype: torch.dtype = torch.float32, device: torch.device = CPU,
-                       num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32,
-                       block_size: int = 8, num_pad_tokens: int = 1, atol: float = 2e-5,
-                       max_seq_len: int | None = None) -> None:
-    """Decode attention that rotates (and norms) q and k itself and stores the new K/V,
-    against the unfused reference: rotary, store, then attention."""
-    from bastion.ops.attention import DecodeRope, rotate_and_store_decode_ref
-
-    q_lens = [1 if c >= 0 else 0 for c in ctx_lens]
-    meta, k_cache, v_cache, _, _ = _build_batch(q_lens, [max(c, 0) for c in ctx_lens],
-                                                num_kv_heads, head_dim, block_size, dtype,
-                                                device, num_pad_tokens)
-    if max_seq_len is not None:
-        meta.max_seq_len = max_seq_len
-    num_tokens = meta.slot_mapping.shape[0]
-    gen = torch.Generator().manual_seed(5)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype).to(device)
-    query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)  # strided views
-    weights = [(1 + torch.randn(head_dim, generator=gen)).to(dtype).to(device) if qk_norm
-               else None for _ in range(2)]
-    cos_sin = _cos_sin_cache(max(ctx_lens) + 1, head_dim).to(device)
-    rope = DecodeRope(key, value, cos_sin, *weights, eps=1e-6 if qk_norm else 0.0)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    q3 = query.view(num_tokens, num_heads, head_dim)
-    out = paged_attention_triton(q3, k_cache, v_cache, meta, head_dim**-0.5,
-                                 num_splits=num_splits, rope=rope)
-    # The reference rotates in the inputs' dtype (rounding where the kernel rounds), then
-    # attends in float32.
-    rotated = rotate_and_store_decode_ref(q3, ref_k, ref_v, meta, rope)
-    ref = paged_attention_ref(rotated.float(), ref_k.float(), ref_v.float(), meta,
-                              head_dim**-0.5)
-    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
-    num_real = meta.query_start_loc_cpu[-1]
-    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
-    # The new tokens' slots hold the rotated keys and the values; every other slot is as it was.
-    rtol = 0 if dtype == torch.float32 else 1e-2  # bf16: a last-bit difference in rounding
-    torch.testing.assert_close(k_cache, ref_k, atol=atol, rtol=rtol)
-    assert torch.equal(v_cache, ref_v)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("qk_norm", [True, False])
-def test_attention_decode_rotates_and_stores_the_new_tokens(num_splits: int,
-                                                            qk_norm: bool) -> None:
-    # Contexts that end mid-block, at a block's last slot, and at position 0 (an empty
-    # context); one empty graph-padding sequence (-1) and a padding token with slot -1. With
-    # 3 splits the 1- and 8-token contexts leave splits with no tile, so the split that stores
-    # is not always the last one.
-    _check_decode_rope([13, 7, 0, 40, -1], num_splits, qk_norm)
-
-
-def test_attention_decode_rope_under_a_graph_bound_with_small_tiles() -> None:
-    # 16-key tiles, 16 splits from a captured bound of 4096 keys, contexts over many tiles.
-    _check_decode_rope([95, 33, 1], None, True, max_seq_len=4096, num_heads=6, num_kv_heads=3)
-
-
-def test_attention_decode_rope_rejects_what_it_cannot_do() -> None:
-    from bastion.ops.attention import DecodeRope
-
-    meta, k_cache, v_cache, _, _ = _build_batch([1, 2], [3, 3], 2, 16, 4, torch.float32, CPU)
-    key = value = torch.zeros(3, 32)
-    rope = DecodeRope(key, value, _cos_sin_cache(16, 16))
-    with pytest.raises(ValueError, match="decode-only"):
-        paged_attention_triton(torch.zeros(3, 2, 16), k_cache, v_cache, meta, 1.0, rope=rope)
-    meta, k_cache, v_cache, _, _ = _build_batch([1, 1], [3, 3], 2, 16, 4, torch.float32, CPU)
-    rope = DecodeRope(key[:2], value[:2], _cos_sin_cache(16, 8))
-    with pytest.raises(ValueError, match="whole head"):
-        paged_attention_triton(torch.zeros(2, 2, 16), k_cache, v_cache, meta, 1.0, rope=rope)
-
-
 # ----------------------------------------------------------------------------- sampling (CPU)
 
 
@@ -620,17 +548,6 @@ def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
         int(c) for c in torch.randint(1, 2048, (64,), generator=torch.Generator().manual_seed(0))
     ]
     _check_attention(q_lens, ctx_lens, 16, 8, 128, 16, num_splits, torch.bfloat16, _DEV, atol=2e-2)
-
-
-@gpu
-@requires_cuda
-@pytest.mark.parametrize("num_splits", [None, 1])
-def test_gpu_attention_decode_rope_qwen3_shape(num_splits: int | None) -> None:
-    ctx_lens = [int(c) for c in torch.randint(0, 2048, (64,),
-                                              generator=torch.Generator().manual_seed(1))]
-    _check_decode_rope(ctx_lens + [-1, -1], num_splits, True, torch.bfloat16, _DEV,
-                       num_heads=16, num_kv_heads=8, head_dim=128, block_size=16,
-                       num_pad_tokens=2, atol=2e-2)
 
 
 @gpu

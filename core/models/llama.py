@@ -50,10 +50,6 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        rope = self.attn.decode_rope(k, v, self.rotary_emb.cos_sin_cache,
-                                     self.rotary_emb.is_neox_style, self.q_norm, self.k_norm)
-        if rope is not None:  # a decode step: attention norms, rotates and stores itself
-            return self.o_proj(self.attn(q, k, v, rope=rope))
         # One kernel: q/k norms (Qwen3), rotary, and the store of k and v in the KV cache.
         # It reads q, k and v in place from the fused output.
         fused = self.attn.kv_store_args(v)

@@ -27,7 +27,6 @@ from triton.runtime.errors import OutOfResources
 
 if TYPE_CHECKING:
     from bastion.core.forward_context import AttentionMetadata
-    from bastion.ops.attention import DecodeRope
 
 logger = logging.getLogger(__name__)
 
@@ -75,24 +74,6 @@ DECODE_CONFIG = _config("BASTION_DECODE_ATTENTION_CONFIG", KernelConfig(64, 4, 3
 PREFILL_CONFIG = _config("BASTION_PREFILL_ATTENTION_CONFIG", KernelConfig(64, 8, 3, 128))
 
 
-@triton.jit
-def _norm_rope(rows, offs_h, mask, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
-               QK_NORM: tl.constexpr, ROUND_TY: tl.constexpr):
-    """The two halves [R, D/2] of the heads at ``rows`` ([R, 1] pointers), rotated (float32),
-    after Qwen3's per-head RMSNorm when QK_NORM. The normed heads are rounded to the activation
-    dtype before rotating, as in the unfused ops."""
-    x1 = tl.load(rows + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(rows + HEAD_DIM // 2 + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
-    if QK_NORM:
-        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-        r = tl.math.rsqrt(ss / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(w_ptr + offs_h).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HEAD_DIM // 2 + offs_h).to(tl.float32)[None, :]
-        x1 = (x1 * r * w1).to(ROUND_TY).to(tl.float32)
-        x2 = (x2 * r * w2).to(ROUND_TY).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
-
-
 # NOTE: Triton compiles a variant per integer argument that is 1, a multiple of 16 or neither.
 # The batch's sequence count and block-table width change every step, and a compile in the middle
 # of serving costs ~1 s, so those two are not specialised on.
@@ -107,12 +88,6 @@ def _unified_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
-    k_new_ptr,  # ROPE: the new tokens' keys and values, not yet rotated or stored
-    v_new_ptr,
-    cos_sin_ptr,
-    q_w_ptr,
-    k_w_ptr,
-    eps,
     scale_log2,
     num_seqs,
     stride_q_t,
@@ -126,9 +101,6 @@ def _unified_attention_kernel(
     stride_v_off,
     stride_v_h,
     stride_bt,
-    stride_kn,
-    stride_vn,
-    stride_cs,
     NUM_Q_PER_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -139,8 +111,6 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     DECODE: tl.constexpr,
-    ROPE: tl.constexpr,
-    QK_NORM: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,9 +156,11 @@ def _unified_attention_kernel(
     q_tok = (q_start + q_local).to(tl.int64)
     q_pos = ctx_len + q_local
 
-    q_rows = q_ptr + q_tok[:, None] * stride_q_t + head[:, None] * stride_q_h
-    if not ROPE:
-        q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + q_tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
 
     # Causality bounds the keys this block can see by its last token's position.
     kv_end = ctx_len + tl.minimum(q_len, (q_block_local + 1) * BLOCK_Q)
@@ -196,42 +168,11 @@ def _unified_attention_kernel(
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
-
-    if ROPE:
-        # Decode only: one new token, at position seq_len - 1; HEAD_PAD == HEAD_DIM. Neox
-        # rotation over the whole head, computed on the two halves of each head.
-        offs_h = tl.arange(0, HEAD_DIM // 2)
-        pos = seq_len - 1
-        cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs + offs_h
-        cos = tl.load(cs)[None, :]
-        sin = tl.load(cs + HEAD_DIM // 2)[None, :]
-        act_ty = q_ptr.dtype.element_ty
-        q1, q2 = _norm_rope(q_rows, offs_h, row_ok[:, None], q_w_ptr, cos, sin, eps, HEAD_DIM,
-                            QK_NORM, act_ty)
-        q = tl.join(q1, q2).permute(0, 2, 1).reshape(BLOCK_M, HEAD_DIM).to(act_ty)
-        # The split whose tiles hold the new position stores the token's K/V there, then reads
-        # it back in its loop like any cached key: no other program reads that position.
-        if split == (num_tiles - 1) // tiles_per_split:
-            tok = q_start.to(tl.int64)
-            src = tl.full([1, 1], 0, tl.int64) + tok * stride_kn + kv_head * HEAD_DIM
-            k1, k2 = _norm_rope(k_new_ptr + src, offs_h, src >= 0, k_w_ptr, cos, sin, eps, HEAD_DIM,
-                                QK_NORM, act_ty)
-            blk_new = tl.load(bt_row + pos // KV_BLOCK_SIZE).to(tl.int64)
-            in_blk_new = (pos % KV_BLOCK_SIZE).to(tl.int64)
-            k_dst = (k_cache_ptr + blk_new * stride_k_blk + in_blk_new * stride_k_off
-                     + kv_head * stride_k_h + offs_h[None, :])
-            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(k_dst + HEAD_DIM // 2, k2.to(k_cache_ptr.dtype.element_ty))
-            value = tl.load(v_new_ptr + tok * stride_vn + kv_head * HEAD_DIM + offs_d)
-            v_dst = v_cache_ptr + blk_new * stride_v_blk + in_blk_new * stride_v_off
-            tl.store(v_dst + kv_head * stride_v_h + offs_d, value.to(v_cache_ptr.dtype.element_ty))
-            # NOTE: makes the stores visible to every thread of this program before its loop.
-            tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
 
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * TILE + offs_t
@@ -290,9 +231,6 @@ def _unified_attention_kernel(
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
-
-# A register cap for the decode variant that rotates q and k itself (A/B runs; 0 = none).
-_ROPE_MAXNREG = int(os.environ.get("BASTION_ROPE_MAXNREG", "0"))
 
 # Launch shapes that did not fit this GPU -> the smaller shape that did.
 _FITTED: dict[KernelConfig, KernelConfig] = {}
@@ -355,27 +293,6 @@ def _check_inputs(
         raise ValueError("query_start_loc must have B + 1 entries and block_tables B rows")
 
 
-def _check_rope(query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata,
-                rope: DecodeRope) -> None:
-    num_tokens, _, head_dim = query.shape
-    width = k_cache.shape[2] * head_dim
-    if not meta.is_decode_only:
-        raise ValueError("a DecodeRope needs a decode-only batch (one new token a sequence)")
-    if head_dim != triton.next_power_of_2(head_dim) or head_dim < 16:
-        raise ValueError(f"rotary inside attention needs a power-of-two head dim; got {head_dim}")
-    for name in ("key", "value"):
-        t = getattr(rope, name)
-        if t.shape != (num_tokens, width) or t.stride(1) != 1 or t.dtype != query.dtype:
-            raise ValueError(f"rope.{name} must be [{num_tokens}, {width}] {query.dtype} with "
-                             f"its last dim contiguous; got {t.dtype} {tuple(t.shape)}")
-    cs = rope.cos_sin_cache
-    if cs.dtype != torch.float32 or cs.dim() != 2 or cs.shape[1] != head_dim or cs.stride(1) != 1:
-        raise ValueError(f"rope.cos_sin_cache must be float32 [max_pos, {head_dim}] (rotary over "
-                         f"the whole head); got {cs.dtype} {tuple(cs.shape)}")
-    if (rope.q_weight is None) != (rope.k_weight is None):
-        raise ValueError("rope.q_weight and rope.k_weight must both be given or both None")
-
-
 def paged_attention_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -385,7 +302,6 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,
     config: KernelConfig | None = None,
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` [T, Hq, D] over the paged cache; returns [T, Hq, D].
 
@@ -395,12 +311,9 @@ def paged_attention_triton(
     lengths: under CUDA graphs that is the captured bound, so a graph stays valid; an eager
     decode batch passes its longest context, which meets at most five split counts, rounded to
     powers of two). Rows of padding tokens past ``query_start_loc[-1]`` come back as 0.
-    ``config`` overrides the launch shape (benchmarks sweep it). ``rope``: see
-    ``bastion.ops.attention.paged_attention``.
+    ``config`` overrides the launch shape (benchmarks sweep it).
     """
     _check_inputs(query, k_cache, v_cache, meta)
-    if rope is not None:
-        _check_rope(query, k_cache, meta, rope)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = meta.seq_lens.shape[0]
@@ -435,31 +348,22 @@ def paged_attention_triton(
         )
     else:
         part_out = part_ml = out  # unused by the kernel
-    if rope is None:  # stand-ins of the right kind, never read
-        rope_args, rope_strides = (query, query, bt, bt, bt, 0.0), (0, 0, 0)
-    else:
-        q_w = rope.q_weight if rope.q_weight is not None else rope.cos_sin_cache
-        k_w = rope.k_weight if rope.k_weight is not None else rope.cos_sin_cache
-        rope_args = (rope.key, rope.value, rope.cos_sin_cache, q_w, k_w, rope.eps)
-        rope_strides = (rope.key.stride(0), rope.value.stride(0), rope.cos_sin_cache.stride(0))
-    launch_extra = {"maxnreg": _ROPE_MAXNREG} if rope is not None and _ROPE_MAXNREG else {}
     grid = (num_q_blocks, num_kv_heads, num_splits)
     asked, config = config, _FITTED.get(config, config)
     while True:
         try:
             _unified_attention_kernel[grid](
                 out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
-                meta.query_start_loc, *rope_args, scale * _LOG2E, num_seqs,
+                meta.query_start_loc, scale * _LOG2E, num_seqs,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                bt.stride(0), *rope_strides,
+                bt.stride(0),
                 NUM_Q_PER_KV=num_q_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
                 HEAD_DIM=head_dim, HEAD_PAD=head_pad, TILE=config.tile,
                 KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
                 IEEE_DOT=query.dtype == torch.float32, DECODE=is_decode,
-                ROPE=rope is not None, QK_NORM=rope is not None and rope.q_weight is not None,
-                num_warps=config.num_warps, num_stages=config.num_stages, **launch_extra,
+                num_warps=config.num_warps, num_stages=config.num_stages,
             )  # fmt: skip
             break
         except OutOfResources as exc:

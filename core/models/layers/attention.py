@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from bastion.core.forward_context import AttentionMetadata, get_forward_context
-from bastion.ops.attention import DecodeRope, paged_attention
+from bastion.ops.attention import paged_attention
 from bastion.ops.kv_store import store_kvcache
 from torch import nn
-
-# Decode batches rotate q and k and store the new K/V inside the attention kernel (one launch a
-# layer fewer). "0" keeps the separate rotary kernel, for A/B runs of the whole engine.
-_ROPE_IN_ATTENTION = os.environ.get("BASTION_DECODE_ROPE_IN_ATTENTION", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -52,27 +46,10 @@ class Attention(nn.Module):
         return {"value": v, "k_cache": self.k_cache, "v_cache": self.v_cache,
                 "slot_mapping": meta.slot_mapping}
 
-    def decode_rope(self, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
-                    is_neox_style: bool, q_norm: nn.Module | None = None,
-                    k_norm: nn.Module | None = None) -> DecodeRope | None:
-        """What ``forward`` needs to rotate q and k itself (after ``q_norm``/``k_norm``, per
-        head) and store the new K/V, when this step is decode-only and the rotation is neox
-        style over whole power-of-two heads; None otherwise (the caller rotates and stores)."""
-        meta = self._paged_context()
-        head_dim = self.head_dim
-        if (not _ROPE_IN_ATTENTION or meta is None or not meta.is_decode_only
-                or not is_neox_style or cos_sin_cache.shape[1] != head_dim
-                or head_dim < 16 or head_dim & (head_dim - 1)):
-            return None
-        if q_norm is None:
-            return DecodeRope(k, v, cos_sin_cache)
-        return DecodeRope(k, v, cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_stored: bool = False, rope: DecodeRope | None = None) -> torch.Tensor:
+                kv_stored: bool = False) -> torch.Tensor:
         """``q`` [T, Hq*D], ``k``/``v`` [T, Hk*D] -> [T, Hq*D]. ``kv_stored``: the caller
-        already stored ``k``/``v`` in the cache (fused into its rotary kernel). ``rope`` (from
-        ``decode_rope``): ``q`` and ``k`` are not rotated yet and nothing is stored."""
+        already stored ``k``/``v`` in the cache (fused into its rotary kernel)."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -83,7 +60,7 @@ class Attention(nn.Module):
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                 scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
         else:
-            if not kv_stored and rope is None:
+            if not kv_stored:
                 store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, rope)
+            out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
