@@ -87,13 +87,26 @@ def offline_floor(args: argparse.Namespace, dtype: torch.dtype) -> None:
 
     work = make_workload(256, 100, 1024, 100, 1024, 0)
     mb = model_bytes(args.model, dtype)
-    floor = decode_floor_bytes([len(p) for p in work.prompts], work.max_tokens, mb)
+    prompt_lens = [len(p) for p in work.prompts]
+    floor = decode_floor_bytes(prompt_lens, work.max_tokens, mb)
     bw = copy_bandwidth()
     seconds = floor / bw
     print(f"offline floor ({os.path.basename(args.model.rstrip('/'))}, {dtype}): weights "
           f"{mb.weights_per_step / 1e9:.2f} GB/step, KV {mb.kv_per_token} B/token, "
           f"{floor / 1e12:.2f} TB to read at {bw / 1e12:.2f} TB/s copy bandwidth = "
           f"{seconds:.2f} s -> {work.num_output_tokens / seconds:,.0f} output tok/s at most")
+    print_dp_floor(prompt_lens, work.max_tokens, mb, floor)
+
+
+def print_dp_floor(prompt_lens: list[int], output_lens: list[int], mb: ModelBytes,
+                   floor: int, size: int = 2) -> None:
+    """The same floor for DP=``size`` ranks that each take every ``size``-th prompt (as
+    ``bench_offline.py --data-parallel-size`` splits them): the slowest rank's bytes, so the
+    most DP can gain over one GPU. Each rank still reads all the weights every step."""
+    ranks = [decode_floor_bytes(prompt_lens[r::size], output_lens[r::size], mb)
+             for r in range(size)]
+    print(f"DP={size} floor: ranks read {', '.join(f'{b / 1e12:.2f}' for b in ranks)} TB -> "
+          f"at most {floor / max(ranks):.3f}x one GPU's floor")
 
 
 def latency(args: argparse.Namespace, dtype: torch.dtype) -> None:

@@ -393,13 +393,15 @@ def run_bastion_dp(args: argparse.Namespace, work: Workload) -> Result:
     start = min(r["start"] for r in results)
     end = max(r["end"] for r in results)
     tokens = sum(r["tokens"] for r in results)
-    assert tokens == work.num_output_tokens, (tokens, work.num_output_tokens)
+    copies = size if args.dp_whole_workload else 1
+    assert tokens == copies * work.num_output_tokens, (tokens, work.num_output_tokens)
     for rank, r in enumerate(results):
         seconds, steps = r["end"] - r["start"], max(r["steps"], 1)
         print(f"bastion steps, rank {rank}: {r['steps']} in {seconds:.2f} s, "
               f"{seconds / steps * 1e3:.2f} ms a step, of which "
               f"{r['wait_s'] / steps * 1e3:.2f} ms waiting for the device's tokens")
-    return Result(f"bastion LLM x DP={size}", len(work.prompts), tokens, end - start)
+    name = f"bastion LLM x DP={size}" + (", each the whole workload" if copies > 1 else "")
+    return Result(name, copies * len(work.prompts), tokens, end - start)
 
 
 def dp_rank_main(args: argparse.Namespace, work: Workload) -> None:
@@ -407,7 +409,8 @@ def dp_rank_main(args: argparse.Namespace, work: Workload) -> None:
     from bastion import LLM, SamplingParams
 
     rank, size = args.dp_rank, args.data_parallel_size
-    prompts, max_tokens = work.prompts[rank::size], work.max_tokens[rank::size]
+    share = slice(None) if args.dp_whole_workload else slice(rank, None, size)
+    prompts, max_tokens = work.prompts[share], work.max_tokens[share]
     max_len = max(len(p) for p in work.prompts) + max(work.max_tokens)
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
               max_model_len=max(args.max_model_len or 0, max_len),
@@ -567,6 +570,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="profile bastion's host side (cProfile) and print the top functions")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="one process per GPU, prompts split round-robin")
+    p.add_argument("--dp-whole-workload", action="store_true",
+                   help="every DP rank runs the whole workload (N times the work: throughput "
+                        "with each GPU as loaded as one GPU alone), not every N-th prompt")
     p.add_argument("--dp-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--dp-go-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--hf-batch-size", type=int, default=None,

@@ -18,7 +18,8 @@
 # joined by '+'; offprof: the same under cProfile; gpuprof: the torch profiler at the steps in
 # $PROF_POINTS, with the device's idle gaps between kernels; prefillprof: the first 12 steps
 # under cProfile, then under the torch profiler with a Chrome trace in $OUT), floor (that
-# workload's bandwidth floor, measured in the same run), hf (a slice of the workload through
+# workload's bandwidth floor, measured in the same run, and the most DP=2 can gain by it), dp
+# (two GPUs, one process each, every second prompt; dpwhole: each the whole workload), hf (a slice of the workload through
 # bastion and transformers' continuous batching, with the ratio), latency (Llama-3.1-8B
 # architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite
 # rates, 1000 prompts of 1024 in / 128 out, against the embedded model).
@@ -175,6 +176,10 @@ for s in $STAGES; do
     dp) stage dp 150 'workload|bastion|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf --data-parallel-size 2 ;;
+    dpwhole) stage dpwhole 200 'workload|bastion|Error|error' -- \
+      $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
+      --temperature 0 --max-num-batched-tokens 16384 --skip-hf --data-parallel-size 2 \
+      --dp-whole-workload ;;
     tp) stage tp 150 'latency|avg|floor|Error' -- \
       $PY scripts/bench_latency.py --model $LLAMA --tensor-parallel-size 2 ;;
     tpeager) stage tpeager 150 'latency|avg|floor|Error' -- \
