@@ -377,14 +377,21 @@ class AsyncEngineClient:
     # ----------------------------------------------------------------------------- shutdown
 
     async def shutdown(self, timeout_s: float = 15.0) -> None:
-        for sock in self.cmd_sockets.values() if hasattr(self, "cmd_sockets") else []:
-            try:
-                await sock.send_multipart(shutdown_frames(), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        deadline = time.monotonic() + timeout_s
-        while any(c.is_alive() for c in self.sentinels.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        engines = sorted(getattr(self, "cmd_sockets", {}))
+        start = time.monotonic()
+        # The lowest engine last, given at least half the time: with expert parallelism its
+        # rank-0 worker hosts the store of the workers' groups that span engines, which the
+        # other engines' NCCL monitors poll (each engine orders its own workers the same way).
+        for group, deadline in ((engines[1:], start + timeout_s / 2),
+                                (engines[:1], start + timeout_s)):
+            for i in group:
+                try:
+                    await self.cmd_sockets[i].send_multipart(shutdown_frames(), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            children = [self.sentinels[i] for i in group if i in self.sentinels]
+            while any(c.is_alive() for c in children) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         self.kill_children()
         for task in self._tasks:
             task.cancel()

@@ -125,3 +125,57 @@ def test_external_dp_one_apply_on_any_rank_recovers_the_whole_group(moe_folder, 
     finally:
         rank1.kill_tree()
         rank0.kill_tree()
+
+
+async def test_shutdown_stops_engine_0_after_the_others() -> None:
+    # With expert parallelism engine 0's rank-0 worker hosts the store of the groups that span
+    # engines, which the other engines' NCCL monitors poll: engine 0 is told to stop only once
+    # engines 1 and 2 have exited; a sentinel that never exits is killed at the end.
+    import time
+
+    from bastion.procs.engine_client import AsyncEngineClient
+
+    told: dict[int, float] = {}
+    killed: list[int] = []
+
+    class Sentinel:
+        def __init__(self, rank: int, exits_after: float | None) -> None:
+            self.rank, self.exits_after = rank, exits_after
+
+        def exit_time(self) -> float:
+            return told[self.rank] + self.exits_after
+
+        def is_alive(self) -> bool:
+            return (self.rank not in told or self.exits_after is None
+                    or time.monotonic() < self.exit_time())
+
+        def kill(self, timeout: float) -> None:
+            if self.is_alive():
+                killed.append(self.rank)
+
+    class CmdSocket:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        async def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+            told[self.rank] = time.monotonic()
+
+    class Context:
+        def destroy(self, linger: int) -> None:
+            pass
+
+    client = AsyncEngineClient.__new__(AsyncEngineClient)
+    client.ctx, client._tasks = Context(), []
+    client.sentinels = {0: Sentinel(0, 0.05), 1: Sentinel(1, 0.3), 2: Sentinel(2, 0.1)}
+    client.cmd_sockets = {i: CmdSocket(i) for i in client.sentinels}
+    await client.shutdown(timeout_s=4.0)
+    assert sorted(told, key=told.get) == [1, 2, 0] and not killed
+    assert told[0] >= max(client.sentinels[1].exit_time(), client.sentinels[2].exit_time())
+
+    told.clear()
+    client.sentinels = {0: Sentinel(0, 0.05), 1: Sentinel(1, None)}  # engine 1 hangs
+    client.cmd_sockets = {i: CmdSocket(i) for i in client.sentinels}
+    start = time.monotonic()
+    await client.shutdown(timeout_s=1.0)
+    assert 0.5 <= told[0] - start < 0.6  # half the time for the others, then engine 0
+    assert time.monotonic() - start < 0.7 and killed == [1]
