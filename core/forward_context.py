@@ -4,6 +4,7 @@ through the model's ``forward`` signature (the vLLM forward-context pattern)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,12 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def num_decode_seqs(self) -> int:
+        """Sequences with exactly one new token (counted once a step, shared by the layers)."""
+        qsl = self.query_start_loc_cpu
+        return sum(1 for a, b in zip(qsl, qsl[1:]) if b - a == 1)
 
 
 def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],

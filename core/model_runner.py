@@ -193,15 +193,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        # One prefill of the whole token budget into a scratch cache just big enough for it.
+        # The whole token budget as one decode token and one prefill (a mixed step, so the
+        # attention kernels of mixed steps are built before the first request) into a scratch
+        # cache just big enough for it.
         num_tokens = self.config.scheduler.max_num_batched_tokens
-        num_blocks = -(-num_tokens // self.block_size)
+        num_blocks = -(-num_tokens // self.block_size) + 1
         self._allocate_kv_cache(num_blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        meta = _dummy_mixed_metadata(num_tokens, num_blocks, self.block_size, self.device)
         # NOTE: positions index the rotary table, which ends at max_model_len; a token budget
         # above it must wrap, or the rotary kernel reads past the table.
-        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
-        meta = _dummy_prefill_metadata(num_tokens, num_blocks, self.block_size, self.device)
+        positions = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
+                               torch.arange(num_tokens - 1, device=self.device)])
+        positions %= self.max_model_len
         with set_forward_context(meta):
             hidden = self.model(ids, positions)
         num_seqs = min(self.config.scheduler.max_num_seqs, num_tokens)
@@ -522,12 +526,19 @@ class _Batch:
     sample_ids: list[str]
 
 
-def _dummy_prefill_metadata(num_tokens: int, num_blocks: int, block_size: int,
-                            device: torch.device) -> AttentionMetadata:
+def _dummy_mixed_metadata(num_tokens: int, num_blocks: int, block_size: int,
+                          device: torch.device) -> AttentionMetadata:
+    """``num_tokens`` as a decode token at position 0 in block 0, then (if any are left) one
+    prompt of the rest from block 1 on."""
+    prompt = num_tokens - 1
+    slots = torch.cat([torch.zeros(1, dtype=torch.long),
+                       block_size + torch.arange(prompt, dtype=torch.long)]).to(device)
+    tables = torch.zeros(2, num_blocks - 1, dtype=torch.int32)
+    tables[1] = torch.arange(1, num_blocks, dtype=torch.int32)
+    qsl, lens = ([0, 1, num_tokens], [1, prompt]) if prompt else ([0, 1], [1])
     return AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        max_query_len=num_tokens, max_seq_len=num_tokens,
-        query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens])
+        slot_mapping=slots,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=tables[:len(lens)].to(device), max_query_len=max(prompt, 1),
+        max_seq_len=max(prompt, 1), query_start_loc_cpu=qsl, seq_lens_cpu=lens)

@@ -179,6 +179,29 @@ def test_attention_mixed_prefill_decode_with_cached_prefix(num_splits: int) -> N
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("split_mixed", [True, False])
+def test_attention_mixed_batch_runs_its_decode_rows_in_their_own_launch(
+        split_mixed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Decode rows of a mixed batch take decode's launch (16-row blocks, one program a sequence);
+    # the prefill launch skips them. Each launch alone would leave the other's rows unwritten.
+    mod = _K["unified_attention"]
+    monkeypatch.setattr(mod, "_SPLIT_MIXED", split_mixed)
+    launch, seen = mod._launch, []
+
+    def recording(grid, config, args, **consts):  # type: ignore[no-untyped-def]
+        seen.append((consts["DECODE"], consts["SKIP_DECODE_ROWS"], config.block_m))
+        return launch(grid, config, args, **consts)
+
+    monkeypatch.setattr(mod, "_launch", recording)
+    _check_attention(
+        q_lens=[1, 9, 1, 30, 1], ctx_lens=[40, 0, 3, 17, 70], num_heads=4, num_kv_heads=2,
+        head_dim=16, block_size=8, num_splits=None, num_pad_tokens=1,
+    )  # fmt: skip
+    prefill_rows = mod.PREFILL_CONFIG.block_m
+    assert seen == ([(False, True, prefill_rows), (True, False, mod.DECODE_CONFIG.block_m)]
+                    if split_mixed else [(False, False, prefill_rows)])
+
+
 def test_attention_prefill_with_a_larger_query_block() -> None:
     # 128-row query blocks (64 tokens x 2 heads): sequences shorter and longer than a block.
     config = _K["unified_attention"].KernelConfig(32, 8, 2, block_m=128)
@@ -231,7 +254,9 @@ def test_attention_shrinks_a_launch_shape_that_does_not_fit(
             q_lens=[1, 6], ctx_lens=[9, 4], num_heads=4, num_kv_heads=2, head_dim=16,
             block_size=4, num_splits=1, config=config,
         )  # fmt: skip
-    assert stages_tried == [3, 2, 1, 1]
+    # The first call's prefill launch shrinks; its decode row's launch (the same shape) and the
+    # second call's two launches start from the shape that fit.
+    assert stages_tried == [3, 2, 1, 1, 1, 1]
     assert mod._FITTED == {config: mod.KernelConfig(32, 4, 1)}
 
 

@@ -111,6 +111,7 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     DECODE: tl.constexpr,
+    SKIP_DECODE_ROWS: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,10 +137,16 @@ def _unified_attention_kernel(
 
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    # A mixed batch runs two launches: decode programs take the sequences with one new token,
+    # the others (SKIP_DECODE_ROWS) the rest.
     if DECODE:
         q_block_local = 0
+        if q_len != 1:
+            return
     else:
         q_block_local = q_block_id - (q_start // BLOCK_Q + seq_idx)
+        if SKIP_DECODE_ROWS and q_len == 1:
+            return
     # NOTE: the grid is an upper bound on the number of query blocks; spare programs exit here.
     if q_block_local * BLOCK_Q >= q_len:
         return
@@ -232,6 +239,9 @@ def _unified_attention_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
+# "0" runs a mixed batch's decode rows in the prefill launch, for A/B runs of the whole engine.
+_SPLIT_MIXED = os.environ.get("BASTION_SPLIT_MIXED_ATTENTION", "1") != "0"
+
 # Launch shapes that did not fit this GPU -> the smaller shape that did.
 _FITTED: dict[KernelConfig, KernelConfig] = {}
 
@@ -259,6 +269,40 @@ def _pick_num_splits(num_q_blocks: int, num_kv_heads: int, max_query_len: int,
     # 160-token contexts: 657 ms a batch with 16 splits against 635 ms with 8).
     by_length = 1 << max(0, (max_seq_len // _MIN_SPLIT_KEYS).bit_length() - 1)
     return max(1, min(_MAX_SPLITS, by_length, _TARGET_PROGRAMS // programs))
+
+
+def _block_m(config: KernelConfig, num_q_per_kv: int) -> int:
+    """Rows of a program's query block: query tokens x the query heads of one KV head."""
+    return max(config.block_m, triton.next_power_of_2(num_q_per_kv))
+
+
+def _block_q(config: KernelConfig, num_q_per_kv: int) -> int:
+    """Query tokens a program's block holds (rows past ``BLOCK_Q`` whole tokens are masked)."""
+    return _block_m(config, num_q_per_kv) // num_q_per_kv
+
+
+def _launch(grid: tuple[int, int, int], config: KernelConfig, args: tuple,
+            **consts: object) -> None:
+    """One launch of the kernel in ``config``'s shape, or in the largest smaller shape that fits
+    this GPU (found once and remembered per shape)."""
+    num_q_per_kv = consts["NUM_Q_PER_KV"]
+    asked, config = config, _FITTED.get(config, config)
+    while True:
+        try:
+            _unified_attention_kernel[grid](
+                *args, BLOCK_Q=_block_q(config, num_q_per_kv),
+                BLOCK_M=_block_m(config, num_q_per_kv), TILE=config.tile,
+                num_warps=config.num_warps, num_stages=config.num_stages, **consts)
+            return
+        except OutOfResources as exc:
+            # The shapes are tuned on an H200 (228 KiB of shared memory a SM); a smaller GPU
+            # gets fewer pipeline stages, then smaller key tiles, once, remembered per shape.
+            smaller = _smaller(config)
+            if smaller is None:
+                raise
+            logger.warning("attention launch shape %s does not fit this GPU (%s); using %s",
+                           tuple(config), exc, tuple(smaller))
+            config = _FITTED[asked] = smaller
 
 
 def _check_inputs(
@@ -321,13 +365,15 @@ def paged_attention_triton(
 
     num_q_per_kv = num_heads // num_kv_heads
     is_decode = meta.max_query_len <= 1
-    if config is None:
-        config = DECODE_CONFIG if is_decode else PREFILL_CONFIG
-    block_m = config.block_m
-    block_m = max(block_m, triton.next_power_of_2(num_q_per_kv))
-    block_q = block_m // num_q_per_kv
+    # A mixed batch's decode rows get their own launch with decode's 16-row blocks: a decode
+    # token alone in a prefill-shaped block fills one of its 64 token slots, and the dots and
+    # softmax still do all 128 rows.
+    split_decode = (not is_decode and _SPLIT_MIXED and bool(meta.query_start_loc_cpu)
+                    and meta.num_decode_seqs > 0)
+    main = config or (DECODE_CONFIG if is_decode else PREFILL_CONFIG)
     # Decode: one program per sequence. Otherwise an upper bound on the query blocks.
-    num_q_blocks = num_seqs if is_decode else num_tokens // block_q + num_seqs
+    num_q_blocks = (num_seqs if is_decode
+                    else num_tokens // _block_q(main, num_q_per_kv) + num_seqs)
     if num_splits is None:
         num_splits = _pick_num_splits(num_q_blocks, num_kv_heads, meta.max_query_len,
                                       meta.max_seq_len)
@@ -348,33 +394,19 @@ def paged_attention_triton(
         )
     else:
         part_out = part_ml = out  # unused by the kernel
-    grid = (num_q_blocks, num_kv_heads, num_splits)
-    asked, config = config, _FITTED.get(config, config)
-    while True:
-        try:
-            _unified_attention_kernel[grid](
-                out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
-                meta.query_start_loc, scale * _LOG2E, num_seqs,
-                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                bt.stride(0),
-                NUM_Q_PER_KV=num_q_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
-                HEAD_DIM=head_dim, HEAD_PAD=head_pad, TILE=config.tile,
-                KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-                IEEE_DOT=query.dtype == torch.float32, DECODE=is_decode,
-                num_warps=config.num_warps, num_stages=config.num_stages,
-            )  # fmt: skip
-            break
-        except OutOfResources as exc:
-            # The shapes are tuned on an H200 (228 KiB of shared memory a SM); a smaller GPU
-            # gets fewer pipeline stages, then smaller key tiles, once, remembered per shape.
-            smaller = _smaller(config)
-            if smaller is None:
-                raise
-            logger.warning("attention launch shape %s does not fit this GPU (%s); using %s",
-                           tuple(config), exc, tuple(smaller))
-            config = _FITTED[asked] = smaller
+    args = (out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
+            meta.query_start_loc, scale * _LOG2E, num_seqs,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0))
+    consts = {"NUM_Q_PER_KV": num_q_per_kv, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad,
+              "KV_BLOCK_SIZE": block_size, "NUM_SPLITS": num_splits,
+              "IEEE_DOT": query.dtype == torch.float32}
+    _launch((num_q_blocks, num_kv_heads, num_splits), main, args,
+            DECODE=is_decode, SKIP_DECODE_ROWS=split_decode, **consts)
+    if split_decode:
+        _launch((num_seqs, num_kv_heads, num_splits), config or DECODE_CONFIG, args,
+                DECODE=True, SKIP_DECODE_ROWS=False, **consts)
     if num_splits > 1:
         merge_attention_splits_triton(out, part_out, part_ml, meta.query_start_loc, num_seqs)
     return out
