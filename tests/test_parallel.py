@@ -140,11 +140,11 @@ def test_moe_expert_parallel_inside_one_engine(tiny_moe) -> None:
 
 
 def _start_dp_engines(path: str, dp_size: int, runtime_dir: str,
-                      pool: ThreadPoolExecutor) -> list[EngineCore]:
+                      pool: ThreadPoolExecutor, tp_size: int = 1) -> list[EngineCore]:
     base = pick_free_port() - 7  # the workers' EP rendezvous is base + 7 + 2 * epoch
     config = build_engine_config(model=path, skip_tokenizer_init=True, data_parallel_size=dp_size,
-                                 enable_expert_parallel=True, data_parallel_rpc_port=base,
-                                 **SMALL_KV)
+                                 tensor_parallel_size=tp_size, enable_expert_parallel=True,
+                                 data_parallel_rpc_port=base, **SMALL_KV)
 
     def start(engine_id: int) -> EngineCore:
         return EngineCore(config, MultiprocExecutor(config, runtime_dir, engine_id), 256,
@@ -198,6 +198,26 @@ def test_moe_expert_parallel_across_two_engines_with_dummy_steps(tiny_moe) -> No
         assert [tokens[f"0-{i}"] for i in range(4)] == expected
         assert tokens["1-short"] == expected[3][:4]
         assert num_dummy[0] == 0 and num_dummy[1] >= 10  # 16 steps of engine 0, 4 of engine 1
+    finally:
+        for core in cores:
+            core.shutdown()
+        pool.shutdown()
+        remove_runtime_dir(runtime_dir)
+
+
+def test_moe_expert_parallel_over_tp2_x_dp2(tiny_moe) -> None:
+    """TP=2 x DP=2 (the four-GPU drill's layout, here on gloo): experts spread over all four
+    workers, each engine's TP pair all-reduces; every request's 16 greedy tokens match one
+    process with no parallelism."""
+    path, expected = tiny_moe
+    pool, runtime_dir = ThreadPoolExecutor(2), make_runtime_dir()
+    cores: list[EngineCore] = []
+    try:
+        cores = _start_dp_engines(path, 2, runtime_dir, pool, tp_size=2)
+        info = [i for c in cores for i in c.executor.call("distributed_info")]
+        assert [(i["dp_rank"], i["ep_size"]) for i in info] == [(0, 4), (0, 4), (1, 4), (1, 4)]
+        tokens, _ = _run_lockstep(cores, [TINY_PROMPTS[:3], TINY_PROMPTS[3:]])
+        assert [tokens[f"0-{i}"] for i in range(3)] + [tokens["1-0"]] == expected
     finally:
         for core in cores:
             core.shutdown()
