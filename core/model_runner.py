@@ -200,11 +200,10 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size) + 1
         self._allocate_kv_cache(num_blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        meta = _dummy_mixed_metadata(num_tokens, num_blocks, self.block_size, self.device)
+        meta, positions = _dummy_mixed_step(num_tokens, num_blocks, self.block_size,
+                                            self.device)
         # NOTE: positions index the rotary table, which ends at max_model_len; a token budget
         # above it must wrap, or the rotary kernel reads past the table.
-        positions = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
-                               torch.arange(num_tokens - 1, device=self.device)])
         positions %= self.max_model_len
         with set_forward_context(meta):
             hidden = self.model(ids, positions)
@@ -526,19 +525,20 @@ class _Batch:
     sample_ids: list[str]
 
 
-def _dummy_mixed_metadata(num_tokens: int, num_blocks: int, block_size: int,
-                          device: torch.device) -> AttentionMetadata:
-    """``num_tokens`` as a decode token at position 0 in block 0, then (if any are left) one
-    prompt of the rest from block 1 on."""
+def _dummy_mixed_step(num_tokens: int, num_blocks: int, block_size: int,
+                      device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and positions of ``num_tokens`` as a decode token at position 0 in block 0,
+    then (if any are left) one prompt of the rest from block 1 on."""
     prompt = num_tokens - 1
-    slots = torch.cat([torch.zeros(1, dtype=torch.long),
-                       block_size + torch.arange(prompt, dtype=torch.long)]).to(device)
+    positions = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(prompt)])
+    slots = torch.cat([torch.zeros(1, dtype=torch.long), block_size + positions[1:]])
     tables = torch.zeros(2, num_blocks - 1, dtype=torch.int32)
     tables[1] = torch.arange(1, num_blocks, dtype=torch.int32)
     qsl, lens = ([0, 1, num_tokens], [1, prompt]) if prompt else ([0, 1], [1])
-    return AttentionMetadata(
-        slot_mapping=slots,
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         block_tables=tables[:len(lens)].to(device), max_query_len=max(prompt, 1),
         max_seq_len=max(prompt, 1), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+    return meta, positions.to(device)

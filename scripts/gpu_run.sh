@@ -19,9 +19,9 @@
 # $PROF_POINTS, with the device's idle gaps between kernels; prefillprof: the first 12 steps
 # under cProfile, then under the torch profiler with a Chrome trace in $OUT), floor (that
 # workload's bandwidth floor, measured in the same run, and the most DP=2 can gain by it), dp
-# (two GPUs, one process each, every second prompt; dpwhole: each the whole workload), hf (a slice of the workload through
-# bastion and transformers' continuous batching, with the ratio), latency (Llama-3.1-8B
-# architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite
+# (two GPUs, one process each, every second prompt; dpwhole: each the whole workload), hf (a
+# slice of the workload through bastion and transformers' continuous batching, with the
+# ratio), latency (Llama-3.1-8B architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite
 # rates, 1000 prompts of 1024 in / 128 out, against the embedded model).
 #
 # Run from the repository root. Wheels for packages the machine lacks (msgspec, pyzmq, gguf,
