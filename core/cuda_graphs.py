@@ -12,17 +12,12 @@ KV store skips it and the attention kernel's spare programs exit. Their hidden r
 that no later op mixes into real rows (every op after attention is row-wise); callers read only
 the first ``b`` rows.
 
-Buckets of at least ``micro_batch_min`` sequences run as two micro-batches on two streams whose
-attention kernels take turns while the other half runs its GEMMs (core/microbatch.py). The
-second half's rows get their own ``query_start_loc`` in the static buffers.
-
 Without capture (the CPU, or ``capture()`` not called) ``run`` executes the same padded batch
-eagerly, which lets the staging, padding and splitting logic be tested anywhere.
+eagerly, which lets the staging and padding logic be tested anywhere.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import NamedTuple
@@ -30,7 +25,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
-from bastion.core.microbatch import AttentionTurns, MicroBatch, MicroBatches
 from bastion.core.staging import StagingRing
 from torch import nn
 
@@ -62,7 +56,7 @@ class _HostStaging:
 
     def __init__(self, n: int, max_blocks_per_seq: int, pin: bool) -> None:
         self.i64 = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
-        self.i32 = torch.zeros(3 * n + 2, dtype=torch.int32, pin_memory=pin)
+        self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin)
         self.bt = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
 
 
@@ -75,7 +69,7 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, model: nn.Module, capture_sizes: list[int], max_blocks_per_seq: int,
-                 block_size: int, device: torch.device, micro_batch_min: int = 0) -> None:
+                 block_size: int, device: torch.device) -> None:
         self.model = model
         self.capture_sizes = sorted(capture_sizes)
         self.max_num_seqs = self.capture_sizes[-1]
@@ -85,20 +79,15 @@ class CUDAGraphRunner:
         n = self.max_num_seqs
         pin = device.type == "cuda"
         # Packed so that one step needs three host-to-device copies: int64 rows (ids, positions,
-        # slots, rows of in-flight tokens), int32 (seq_lens, query_start_loc, then that of the
-        # second micro-batch) and the block table. Two sets of host buffers alternate (see
-        # StagingRing).
+        # slots, rows of in-flight tokens), int32 (seq_lens then query_start_loc) and the block
+        # table. Two sets of host buffers alternate (see StagingRing).
         self._host = StagingRing(lambda: _HostStaging(n, max_blocks_per_seq, pin), device)
         self._dev_i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
-        self._dev_i32 = torch.zeros(3 * n + 2, dtype=torch.int32, device=device)
+        self._dev_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self._dev_bt = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool: object | None = None
-        # 0: never split. The second micro-batch runs on a side stream (none on a CPU).
-        self.micro_batch_min = micro_batch_min
-        self._side_stream = (torch.cuda.Stream(device) if micro_batch_min and pin else None)
-        self._turns = AttentionTurns(2, cuda=pin)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest capture size that holds ``num_seqs``; None when none does."""
@@ -114,49 +103,31 @@ class CUDAGraphRunner:
     def is_captured(self) -> bool:
         return bool(self.graphs)
 
-    def split_row(self, size: int) -> int | None:
-        """First row of a bucket's second micro-batch; None when the bucket runs whole."""
-        if not self.micro_batch_min or size < max(self.micro_batch_min, 2):
-            return None
-        return size // 2
-
     # ------------------------------------------------------------------------- buffers
 
-    def _metadata(self, lo: int, hi: int, seq_lens_cpu: list[int] | None = None
-                  ) -> AttentionMetadata:
-        """Metadata over rows ``lo..hi-1`` of the static buffers (``lo`` is 0 or the split row,
-        whose sequences have their own ``query_start_loc``).
+    def _metadata(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
+        """Metadata over the first ``size`` rows of the static buffers.
 
         The CPU lists matter only to the torch reference kernels (eager runs); the Triton path
         reads the device tensors, so a graph captured with placeholder lists stays valid.
         """
-        n, rows = self.max_num_seqs, hi - lo
+        n = self.max_num_seqs
         if seq_lens_cpu is None:
-            qsl_cpu, lens_cpu = list(range(rows + 1)), [1] * rows
+            qsl_cpu, lens_cpu = list(range(size + 1)), [1] * size
         else:
-            lens_cpu = seq_lens_cpu[lo:hi]
-            b = sum(1 for s in lens_cpu if s > 0)
-            qsl_cpu = list(range(b + 1)) + [b] * (rows - b)
-        qsl_at = n if lo == 0 else 2 * n + 1
+            b = sum(1 for s in seq_lens_cpu if s > 0)
+            qsl_cpu = list(range(b + 1)) + [b] * (size - b)
+            lens_cpu = seq_lens_cpu
         return AttentionMetadata(
-            slot_mapping=self._dev_i64[2, lo:hi],
-            query_start_loc=self._dev_i32[qsl_at:qsl_at + rows + 1],
-            seq_lens=self._dev_i32[lo:hi],
-            block_tables=self._dev_bt[lo:hi],
+            slot_mapping=self._dev_i64[2, :size],
+            query_start_loc=self._dev_i32[n:n + size + 1],
+            seq_lens=self._dev_i32[:size],
+            block_tables=self._dev_bt[:size],
             max_query_len=1,
             max_seq_len=self.max_blocks_per_seq * self.block_size,
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=lens_cpu,
         )
-
-    def _micro_batches(self, size: int, split: int, seq_lens_cpu: list[int] | None
-                       ) -> MicroBatches:
-        parts = []
-        for i, (lo, hi) in enumerate(((0, split), (split, size))):
-            meta = self._metadata(lo, hi, seq_lens_cpu)
-            meta.attention_turn = functools.partial(self._turns.turn, i)
-            parts.append(MicroBatch(slice(lo, hi), meta, None if i == 0 else self._side_stream))
-        return MicroBatches(parts, self._turns)
 
     def _stage(self, inputs: DecodeInputs, size: int) -> None:
         """Write one step (padded to ``size``) into pinned memory, then copy it over."""
@@ -173,10 +144,6 @@ class CUDAGraphRunner:
         i32[b:size] = 0
         i32[n:n + b + 1] = np.arange(b + 1, dtype=np.int32)
         i32[n + b + 1:n + size + 1] = b
-        split = self.split_row(size)
-        if split is not None:  # the second micro-batch's sequences count from 0
-            i32[2 * n + 1:2 * n + size - split + 2] = np.minimum(
-                np.arange(size - split + 1, dtype=np.int32), max(b - split, 0))
         width = inputs.block_tables.shape[1]
         bt = host.bt[:b * width].view(b, width)
         bt.numpy()[:] = inputs.block_tables
@@ -195,13 +162,9 @@ class CUDAGraphRunner:
 
     # ------------------------------------------------------------------------- run
 
-    def _forward(self, size: int, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
-        ids, positions = self._dev_i64[0, :size], self._dev_i64[1, :size]
-        split = self.split_row(size)
-        if split is not None:
-            return self.model(ids, positions, self._micro_batches(size, split, seq_lens_cpu))
-        with set_forward_context(self._metadata(0, size, seq_lens_cpu)):
-            return self.model(ids, positions)
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        with set_forward_context(meta):
+            return self.model(self._dev_i64[0, :size], self._dev_i64[1, :size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -216,11 +179,12 @@ class CUDAGraphRunner:
         self._dev_i32.zero_()
         torch.cuda.synchronize(self.device)
         for size in reversed(self.capture_sizes):
-            self._forward(size)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            meta = self._metadata(size)
+            self._forward(size, meta)  # warm-up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(size)
+                out = self._forward(size, meta)
             if self._pool is None:
                 self._pool = graph.pool()
             self.graphs[size] = graph
@@ -246,4 +210,4 @@ class CUDAGraphRunner:
             graph.replay()
             return self._outputs[size][:b]
         seq_lens = [int(p) + 1 for p in inputs.positions] + [0] * (size - b)
-        return self._forward(size, seq_lens)[:b]
+        return self._forward(size, self._metadata(size, seq_lens))[:b]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +27,6 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # the same as Python lists, for the CPU reference loops
     seq_lens_cpu: list[int]
-    # Wraps each attention call of a micro-batch whose attention takes turns with another's
-    # (core/microbatch.py); None for a whole step.
-    attention_turn: Callable[[], contextlib.AbstractContextManager[None]] | None = None
 
     @property
     def num_seqs(self) -> int:

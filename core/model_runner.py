@@ -4,7 +4,6 @@ and samples. It applies each step's ``SchedulerOutput`` delta to its own copy of
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -22,10 +21,6 @@ from bastion.ipc.messages import Logprobs, ModelRunnerOutput, SamplingParams, Sc
 from bastion.ops.communicator import get_tp_group
 
 logger = logging.getLogger(__name__)
-
-# Decode buckets of at least this many sequences run as two micro-batches whose attention and
-# GEMMs overlap (env BASTION_DECODE_MICRO_BATCH_MIN; 0 turns it off).
-_DEFAULT_MICRO_BATCH_MIN = 0
 
 
 @dataclass
@@ -235,11 +230,8 @@ class ModelRunner:
     def build_graph_runner(self) -> CUDAGraphRunner:
         sizes = default_capture_sizes(self.config.scheduler.max_num_seqs)
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        # NOTE: with TP the layers all-reduce, and two streams could queue those collectives in
-        # different orders on different ranks; only one-GPU models split a step.
-        split = (_micro_batch_min() if self.config.parallel.tensor_parallel_size == 1 else 0)
         return CUDAGraphRunner(self.model, sizes, max_blocks_per_seq, self.block_size,
-                               self.device, micro_batch_min=split)
+                               self.device)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # NOTE: captured graphs hold these addresses; reallocating means capturing again.
@@ -459,16 +451,6 @@ class ModelRunner:
         if self.device.type != "cuda":
             return host.clone()  # the buffer is reused two steps later
         return host.to(self.device, non_blocking=True)
-
-
-def _micro_batch_min() -> int:
-    """Smallest decode bucket that runs as two micro-batches (core/microbatch.py); 0: none."""
-    value = os.environ.get("BASTION_DECODE_MICRO_BATCH_MIN", "").strip()
-    try:
-        return int(value) if value else _DEFAULT_MICRO_BATCH_MIN
-    except ValueError:
-        raise ValueError(f"BASTION_DECODE_MICRO_BATCH_MIN must be an integer; got {value!r}"
-                         ) from None
 
 
 def _block_table(states: list[CachedRequestState], num_blocks: np.ndarray) -> np.ndarray:

@@ -18,7 +18,6 @@ if not HAS_CUDA:
     # precede importing triton and the kernel modules.
     os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np
 import pytest
 from bastion.core.forward_context import AttentionMetadata
 from bastion.ops.activation import silu_and_mul_ref
@@ -279,39 +278,6 @@ def test_attention_decode_batch_with_graph_padding_rows(num_splits: int) -> None
         q_lens=[1, 1, 1, 0, 0], ctx_lens=[0, 33, 17, 0, 0], num_heads=6, num_kv_heads=2,
         head_dim=32, block_size=8, num_splits=num_splits, num_pad_tokens=2,
     )  # fmt: skip
-
-
-@pytest.mark.parametrize("num_seqs", [11, 6])
-def test_attention_over_a_graph_bucket_split_into_two_micro_batches(num_seqs: int) -> None:
-    # The graph runner's bucket of 16 split at row 8 (core/microbatch.py): each half attends
-    # with its own metadata over the static buffers (the second half's query_start_loc counts
-    # from 0). 11 sequences leave 3 real rows in the second half, 6 leave it all padding.
-    from bastion.core.cuda_graphs import CUDAGraphRunner, DecodeInputs
-
-    block_size, width, num_kv_heads, head_dim = 8, 6, 2, 16
-    runner = CUDAGraphRunner(None, [16], width, block_size, CPU,  # type: ignore[arg-type]
-                             micro_batch_min=16)
-    assert runner.split_row(16) == 8
-    gen = torch.Generator().manual_seed(3)
-    num_blocks = num_seqs * width
-    tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, width).to(torch.int32)
-    positions = torch.randint(0, width * block_size, (num_seqs,), generator=gen)
-    slots = tables[torch.arange(num_seqs), positions // block_size] * block_size + (
-        positions % block_size)
-    inputs = DecodeInputs(np.zeros(num_seqs, dtype=np.int64), positions.numpy(),
-                          slots.numpy(), tables.numpy())
-    runner._stage(inputs, 16)
-    seq_lens = [int(p) + 1 for p in positions] + [0] * (16 - num_seqs)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    query = torch.randn(16, 4, head_dim, generator=gen)
-    scale = head_dim ** -0.5
-    parts = list(runner._micro_batches(16, 8, seq_lens))
-    out = torch.cat([paged_attention_triton(query[p.rows], k_cache, v_cache, p.meta, scale)
-                     for p in parts])
-    ref = paged_attention_ref(query, k_cache, v_cache, runner._metadata(0, 16, seq_lens), scale)
-    torch.testing.assert_close(out[:num_seqs], ref[:num_seqs], atol=2e-5, rtol=0)
-    assert torch.equal(out[num_seqs:], torch.zeros_like(out[num_seqs:]))
 
 
 def _count_merged_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:

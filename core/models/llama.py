@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from bastion.core.microbatch import MicroBatches
 from bastion.core.models.layers.activation import SiluAndMul
 from bastion.core.models.layers.attention import Attention
 from bastion.core.models.layers.layernorm import RMSNorm
@@ -99,34 +98,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                micro_batches: MicroBatches | None = None) -> torch.Tensor:
-        if micro_batches is not None:
-            return self._forward_micro_batches(input_ids, positions, micro_batches)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def _forward_micro_batches(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                               parts: MicroBatches) -> torch.Tensor:
-        # Layer by layer, part by part: one part's attention then runs beside the other's
-        # GEMMs (core/microbatch.py).
-        parts.fork()
-        states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for part in parts:
-            with parts.run(part):
-                states.append((self.embed_tokens(input_ids[part.rows]), None))
-        for layer in self.layers:
-            for i, part in enumerate(parts):
-                with parts.run(part):
-                    states[i] = layer(positions[part.rows], *states[i])
-        outputs = []
-        for part, (hidden, residual) in zip(parts, states):
-            with parts.run(part):
-                outputs.append(self.norm(hidden, residual)[0])
-        return parts.join(outputs)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,11 +133,10 @@ class LlamaForCausalLM(nn.Module):
         return LlamaMLP(config.hidden_size, config.intermediate_size,
                         bias=bool(getattr(config, "mlp_bias", False)))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                micro_batches: MicroBatches | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids``/``positions`` [T] -> hidden [T, H]; attention metadata comes from
-        the forward context, or from each of ``micro_batches`` (a decode step split in two)."""
-        return self.model(input_ids, positions, micro_batches)
+        the forward context."""
+        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> float32 logits [N, vocab] over the full vocabulary."""

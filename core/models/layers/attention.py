@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from bastion.core.forward_context import AttentionMetadata, get_forward_context
@@ -64,7 +62,5 @@ class Attention(nn.Module):
         else:
             if not kv_stored:
                 store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            turn = meta.attention_turn
-            with turn() if turn is not None else contextlib.nullcontext():
-                out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+            out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
