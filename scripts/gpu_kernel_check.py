@@ -358,6 +358,10 @@ def all_cases(iters: int, quick: bool) -> list[tuple[str, Callable[[], Row]]]:
         ("silu_and_mul prefill", lambda: case_silu_and_mul(4096, iters)),
         ("sample 256", lambda: case_sample(256, iters)),
         ("sample 256 one piece", lambda: case_sample(256, iters, 1)),
+        ("sample 256 8 pieces", lambda: case_sample(256, iters, 8)),
+        ("sample 256 16 pieces", lambda: case_sample(256, iters, 16)),
+        ("sample 128", lambda: case_sample(128, iters)),
+        ("sample 128 16 pieces", lambda: case_sample(128, iters, 16)),
         ("sample 14", lambda: case_sample(14, iters)),
         ("sample 14 one piece", lambda: case_sample(14, iters, 1)),
     ]  # fmt: skip
@@ -635,8 +639,51 @@ def prefill_sweep(iters: int) -> None:
             err, us = timed
             print(f"{label:>6} {sum(q_lens):>6} {c[0]:>4} {c[1]:>5} {c[2]:>6} {c[3]:>7} "
                   f"{us:>8.1f} {flops / us / 1e6:>7.1f} {err:>8.4f}")
+        _time_torch_varlen(label, q_lens, meta, k_cache, v_cache, query, ref, flops, iters)
         del meta, k_cache, v_cache, query
         torch.cuda.empty_cache()
+
+
+def _time_torch_varlen(label: str, q_lens: list[int], meta, k_cache, v_cache, query,  # type: ignore[no-untyped-def]
+                       ref: torch.Tensor, flops: int, iters: int) -> None:
+    """The same chunk through torch's flash-attention varlen kernel: over the new tokens' K/V
+    as contiguous rows (whole prompts only), and over the paged cache where this torch takes a
+    block table."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        print(f"torch varlen: unavailable ({exc})")
+        return
+    params = inspect.signature(varlen_attn).parameters
+    print(f"torch varlen_attn{inspect.signature(varlen_attn)}")
+    extra: dict[str, object] = {"scale": D**-0.5}
+    if "is_causal" in params:
+        extra["is_causal"] = True
+    else:
+        extra["window_size"] = (-1, 0)
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    cu_q = meta.query_start_loc
+    max_q = max(q_lens)
+    cases = []
+    if all(s == q for s, q in zip(meta.seq_lens_cpu, q_lens)):
+        k_rows = k_cache.reshape(-1, HK, D)[meta.slot_mapping]
+        v_rows = v_cache.reshape(-1, HK, D)[meta.slot_mapping]
+        cases.append(("rows", lambda: varlen_attn(query, k_rows, v_rows, cu_q, cu_q, max_q,
+                                                  max_q, **extra)))
+    if "block_table" in params:
+        seqused = meta.seq_lens
+        cases.append(("paged", lambda: varlen_attn(
+            query, k_cache, v_cache, cu_q, None, max_q, max(meta.seq_lens_cpu),
+            seqused_k=seqused, block_table=meta.block_tables, **extra)))
+    for name, run in cases:
+        timed = _check_and_time(run, ref, bench, iters, f"{label:>6} torch varlen {name}")
+        if timed is not None:
+            err, us = timed
+            print(f"{label:>6} {sum(q_lens):>6} torch varlen {name:<6} "
+                  f"{us:>8.1f} {flops / us / 1e6:>7.1f} {err:>8.4f}")
 
 
 def gemm_host_cost(iters: int) -> None:

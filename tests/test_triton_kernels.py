@@ -281,16 +281,38 @@ def test_attention_decode_batch_with_graph_padding_rows(num_splits: int) -> None
 
 
 def _count_merged_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The split count of every launch that merged splits, in order (a list filled later)."""
+    """The split count of every launch that split, in order (a list filled later)."""
     mod = _K["unified_attention"]
-    merge, seen_splits = mod.merge_attention_splits_triton, []
+    launch, seen_splits = mod._launch, []
 
-    def counting_merge(out, part_out, *args):  # type: ignore[no-untyped-def]
-        seen_splits.append(part_out.shape[2])
-        return merge(out, part_out, *args)
+    def counting_launch(grid, config, args, **consts):  # type: ignore[no-untyped-def]
+        if consts["NUM_SPLITS"] > 1:
+            seen_splits.append(consts["NUM_SPLITS"])
+        return launch(grid, config, args, **consts)
 
-    monkeypatch.setattr(mod, "merge_attention_splits_triton", counting_merge)
+    monkeypatch.setattr(mod, "_launch", counting_launch)
     return seen_splits
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_split_decode_merges_in_its_last_split_or_a_second_kernel(
+        fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fused: the last split of each sequence and KV head to finish merges all splits, counted
+    # in a zeroed buffer that must be zero again afterwards (a CUDA graph replays the launch);
+    # otherwise the merge kernel runs. Includes a padding row and splits that see no key.
+    mod = _K["unified_attention"]
+    monkeypatch.setattr(mod, "_FUSED_MERGE", fused)
+    merge, merges = mod.merge_attention_splits_triton, []
+    monkeypatch.setattr(mod, "merge_attention_splits_triton",
+                        lambda *a: merges.append(1) or merge(*a))
+    for _ in range(2):  # the second launch sees the counters the first one left
+        _check_attention(
+            q_lens=[1, 1, 1, 0], ctx_lens=[70, 5, 33, 0], num_heads=4, num_kv_heads=2,
+            head_dim=16, block_size=8, num_splits=4, num_pad_tokens=1,
+        )  # fmt: skip
+    assert len(merges) == (0 if fused else 2)
+    if fused:
+        assert not mod._DONE_COUNTERS[CPU].any()
 
 
 def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(

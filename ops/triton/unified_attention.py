@@ -82,6 +82,7 @@ def _unified_attention_kernel(
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
     part_out_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] float32, written when NUM_SPLITS > 1
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] float32: running max (log2 domain), running sum
+    done_ptr,  # int32 [grid 0 x grid 1], zeros: splits finished per program group (FUSED_MERGE)
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -112,6 +113,7 @@ def _unified_attention_kernel(
     IEEE_DOT: tl.constexpr,
     DECODE: tl.constexpr,
     SKIP_DECODE_ROWS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -237,10 +239,61 @@ def _unified_attention_kernel(
         )
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+        if FUSED_MERGE:
+            # The last split of this query block and KV head to finish merges them all, so no
+            # second kernel runs. Every thread's stores precede the count (barrier, then the
+            # atomic's release); the merging program reads the partials from L2 (.cg).
+            tl.debug_barrier()
+            group = done_ptr + q_block_id * tl.num_programs(1) + kv_head
+            if tl.atomic_add(group, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                tl.store(group, 0)  # ready for the next launch (CUDA-graph replays too)
+                tl.debug_barrier()
+                first = row - split
+                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for s_i in tl.static_range(NUM_SPLITS):
+                    m_s = tl.load(part_ml_ptr + (first + s_i) * 2, mask=row_ok,
+                                  other=float("-inf"), cache_modifier=".cg")
+                    m_all = tl.maximum(m_all, m_s)
+                m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
+                num = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+                den = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for s_i in tl.static_range(NUM_SPLITS):
+                    m_s = tl.load(part_ml_ptr + (first + s_i) * 2, mask=row_ok,
+                                  other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_ml_ptr + (first + s_i) * 2 + 1, mask=row_ok, other=0.0,
+                                  cache_modifier=".cg")
+                    acc_s = tl.load(part_out_ptr + (first + s_i)[:, None] * HEAD_PAD
+                                    + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                                    cache_modifier=".cg")
+                    w = tl.exp2(m_s - m_all)
+                    num += acc_s * w[:, None]
+                    den += l_s * w
+                out = num / tl.where(den > 0.0, den, 1.0)[:, None]
+                tl.store(
+                    out_ptr + q_tok[:, None] * stride_o_t + head[:, None] * stride_o_h
+                    + offs_d[None, :],
+                    out.to(out_ptr.dtype.element_ty),
+                    mask=row_ok[:, None] & d_ok[None, :],
+                )
 
 
 # "0" runs a mixed batch's decode rows in the prefill launch, for A/B runs of the whole engine.
 _SPLIT_MIXED = os.environ.get("BASTION_SPLIT_MIXED_ATTENTION", "1") != "0"
+# "0" merges a split decode in a second kernel instead of in its last split's program.
+_FUSED_MERGE = os.environ.get("BASTION_FUSED_SPLIT_MERGE", "1") != "0"
+
+# Per device: the zeroed counters of the fused merge; they return to zero after every launch.
+_DONE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _done_counters(device: torch.device, needed: int) -> torch.Tensor:
+    done = _DONE_COUNTERS.get(device)
+    if done is None or done.numel() < needed:
+        # NOTE: the largest decode graph is warmed up (eagerly) before any capture, so the
+        # buffer a graph holds is never replaced.
+        done = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
+        _DONE_COUNTERS[device] = done
+    return done
 
 # Launch shapes that did not fit this GPU -> the smaller shape that did.
 _FITTED: dict[KernelConfig, KernelConfig] = {}
@@ -394,19 +447,22 @@ def paged_attention_triton(
         )
     else:
         part_out = part_ml = out  # unused by the kernel
-    args = (out, part_out, part_ml, query, k_cache, v_cache, bt, meta.seq_lens,
+    fused_merge = num_splits > 1 and _FUSED_MERGE
+    done = (_done_counters(query.device, num_q_blocks * num_kv_heads) if fused_merge
+            else part_ml)
+    args = (out, part_out, part_ml, done, query, k_cache, v_cache, bt, meta.seq_lens,
             meta.query_start_loc, scale * _LOG2E, num_seqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0))
     consts = {"NUM_Q_PER_KV": num_q_per_kv, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad,
               "KV_BLOCK_SIZE": block_size, "NUM_SPLITS": num_splits,
-              "IEEE_DOT": query.dtype == torch.float32}
+              "IEEE_DOT": query.dtype == torch.float32, "FUSED_MERGE": fused_merge}
     _launch((num_q_blocks, num_kv_heads, num_splits), main, args,
             DECODE=is_decode, SKIP_DECODE_ROWS=split_decode, **consts)
     if split_decode:
         _launch((num_seqs, num_kv_heads, num_splits), config or DECODE_CONFIG, args,
                 DECODE=True, SKIP_DECODE_ROWS=False, **consts)
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         merge_attention_splits_triton(out, part_out, part_ml, meta.query_start_loc, num_seqs)
     return out
