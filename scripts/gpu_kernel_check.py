@@ -734,7 +734,53 @@ def gemm_host_cost(iters: int) -> None:
     print(f"{'triton':>8} {'silu':>8} {16384:>6} {idle:>8.1f} {busy:>8.1f}")
 
 
-def main() -> int:
+def qkv_sweep(iters: int) -> None:
+    """The fused attention input (add-norm, QKV, q/k norm, rotary, KV store) at Qwen3-0.6B's
+    decode shapes, graph-replayed, by launch shape, against the unfused chain (add-norm
+    kernel, cuBLAS GEMM, norm-rotary-store kernel)."""
+    from bastion.ops.qkv import norm_qkv_rope_ref
+    from bastion.ops.triton.qkv_rope import norm_qkv_rope_triton
+
+    dims = {"num_q_heads": HQ, "num_kv_heads": HK, "head_dim": D}
+    shapes = [(bm, bk, w, st) for bm in (16, 32, 64) for bk in (64, 128) for w in (4, 8)
+              for st in (3, 4)]
+    print(f"{'M':>4} {'unfused us':>10} {'fused best us':>13} {'best shape':>16} "
+          f"{'default us':>10} {'max err':>8}")
+    for m in (256, 192, 128, 64, 32, 16, 8):
+        blocks = 4 * m // BLOCK + 8
+        slots = torch.randperm(blocks * BLOCK, device=DEV)[:m]
+        freqs = torch.outer(torch.arange(4096, device=DEV).float(),
+                            1.0 / 1e6 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+        case = dict(hidden=torch.randn(m, HIDDEN, dtype=BF16, device=DEV),
+                    residual=torch.randn(m, HIDDEN, dtype=BF16, device=DEV),
+                    norm_weight=torch.rand(HIDDEN, dtype=BF16, device=DEV) + 0.5,
+                    norm_eps=1e-6,
+                    qkv_weight=torch.randn((HQ + 2 * HK) * D, HIDDEN, dtype=BF16,
+                                           device=DEV) * 0.03,
+                    positions=torch.randint(0, 4096, (m,), device=DEV),
+                    cos_sin_cache=torch.cat((freqs.cos(), freqs.sin()), dim=-1),
+                    k_cache=torch.zeros(blocks, BLOCK, HK, D, dtype=BF16, device=DEV),
+                    v_cache=torch.zeros(blocks, BLOCK, HK, D, dtype=BF16, device=DEV),
+                    slot_mapping=slots, q_weight=torch.rand(D, dtype=BF16, device=DEV) + 0.5,
+                    k_weight=torch.rand(D, dtype=BF16, device=DEV) + 0.5, qk_eps=1e-6, **dims)
+        ref_q = norm_qkv_rope_ref(**case)[0]
+        unfused = bench_graph(lambda case=case: norm_qkv_rope_ref(**case), iters)
+        default = bench_graph(lambda case=case: norm_qkv_rope_triton(**case), iters)
+        best = (float("inf"), None)
+        for shape in shapes:
+            def run(case=case, shape=shape):  # type: ignore[no-untyped-def]
+                return norm_qkv_rope_triton(**case, block=shape)[0]
+
+            timed = _check_and_time(run, ref_q, bench_graph, iters, f"{m:>4} {shape}")
+            if timed is not None and timed[1] < best[0]:
+                best = (timed[1], shape)
+        err = max_err(norm_qkv_rope_triton(**case)[0], ref_q)
+        print(f"{m:>4} {unfused:>10.1f} {best[0]:>13.1f} {str(best[1]):>16} {default:>10.1f} "
+              f"{err:>8.4f}")
+        torch.cuda.empty_cache()
+
+
+def main() -> int:def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="smaller decode batch")
@@ -749,6 +795,8 @@ def main() -> int:
                         help="host time of an eager F.linear by shape and BLAS library")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="time prefill attention's launch shapes on workload-like chunks")
+    parser.add_argument("--qkv-sweep", action="store_true",
+                        help="the fused attention input against the unfused chain, by shape")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_kernel_check needs a CUDA GPU", file=sys.stderr)
@@ -762,6 +810,9 @@ def main() -> int:
         return 0
     if args.prefill_sweep:
         prefill_sweep(args.iters)
+        return 0
+    if args.qkv_sweep:
+        qkv_sweep(args.iters)
         return 0
     if args.gemm_host:
         gemm_host_cost(args.iters)
