@@ -133,7 +133,7 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --decode-sweep --iters 30 ;;
     readbw) stage readbw 150 'copy|stream|step|^ *[0-9]' -- \
       $PY scripts/gpu_kernel_check.py --read-bandwidth --iters 30 ;;
-    qkvsweep) stage qkvsweep 200 '^ *M |^ *[0-9]+ ' -- \
+    qkvsweep) stage qkvsweep 280 '^ *M |^ *[0-9]+ ' -- \
       $PY scripts/gpu_kernel_check.py --qkv-sweep --iters 30 ;;
     gemmhost) stage gemmhost 120 'blas|triton' -- \
       $PY scripts/gpu_kernel_check.py --gemm-host --iters 30 ;;

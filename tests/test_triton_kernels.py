@@ -314,7 +314,9 @@ def test_attention_split_decode_merges_in_its_last_split_or_a_second_kernel(
         )  # fmt: skip
     assert len(merges) == (0 if fused else 2)
     if fused:
-        assert not mod._DONE_COUNTERS[CPU].any()
+        from bastion.ops.triton.counters import zeroed_counters
+
+        assert not zeroed_counters(CPU, 1).any()
 
 
 def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
@@ -414,7 +416,7 @@ def _check_qkv_rope(case: dict, atol: float, rtol: float = 0.0) -> None:  # type
     if ref_case["k_cache"].is_cuda:  # the reference in float32 on the same rounded inputs
         ref_case = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point()
                     else v for k, v in ref_case.items()}
-    ref_q, ref_res = norm_qkv_rope_ref(**ref_case)
+    ref_q, ref_res = norm_qkv_rope_ref(**{k: v for k, v in ref_case.items() if k != "block"})
     q, res = norm_qkv_rope_triton(**case)
     torch.testing.assert_close(q.float(), ref_q.float(), atol=atol, rtol=rtol)
     torch.testing.assert_close(res.float(), ref_res.float(), atol=atol, rtol=rtol)
@@ -426,14 +428,19 @@ def _check_qkv_rope(case: dict, atol: float, rtol: float = 0.0) -> None:  # type
 @pytest.mark.parametrize("num_tokens", [5, 37])
 @pytest.mark.parametrize(("has_residual", "qk_norm"), [(True, True), (False, True),
                                                        (True, False)])
+@pytest.mark.parametrize("block", [None, (16, 16, 4, 2, 4), (32, 32, 4, 2, 1)])
 def test_norm_qkv_rope_matches_the_unfused_ops(num_tokens: int, has_residual: bool,
-                                                qk_norm: bool) -> None:
-    # Blocks of 16 and 64 tokens (37: a partial second block); two padding tokens that own
-    # no slot; the first layer (no residual: the residual out is the input itself); Llama
-    # (no q/k norm).
+                                                qk_norm: bool, block: tuple | None) -> None:  # type: ignore[type-arg]
+    # Blocks of 16, 32 and 64 tokens (37: a partial last block); the hidden dim in one piece
+    # or split over 2 or 4 programs, the last of which adds the pieces up (counters back to
+    # zero after); two padding tokens that own no slot; the first layer (no residual: the
+    # residual out is the input itself); Llama (no q/k norm).
+    from bastion.ops.triton.counters import zeroed_counters
+
     case = _qkv_rope_case(num_tokens, has_residual, qk_norm)
     before = {n: case[n].clone() for n in ("k_cache", "v_cache")}
-    _check_qkv_rope(case, atol=2e-5)
+    _check_qkv_rope({**case, "block": block}, atol=2e-5)
+    assert not zeroed_counters(CPU, 1).any()
     slots = case["slot_mapping"]
     stored = (case["k_cache"] != before["k_cache"]).flatten(2).any(-1).flatten()
     assert stored.nonzero().flatten().tolist() == sorted(slots[slots >= 0].tolist())

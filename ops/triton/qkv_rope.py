@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from bastion.ops.triton.counters import zeroed_counters
 
 
 @triton.jit
@@ -39,6 +40,9 @@ def _norm_qkv_rope_kernel(
     k_cache_ptr,  # [blocks, KV_BLOCK_SIZE, Hk, D]
     v_cache_ptr,
     slot_ptr,  # int64 [T]; < 0: padding, not stored
+    ws_acc_ptr,  # float32 [groups, SPLIT_K, BLOCK_M, HEAD_DIM]: partial dots (SPLIT_K > 1)
+    ws_ss_ptr,  # float32 [groups, SPLIT_K, BLOCK_M]: partial sums of squares
+    done_ptr,  # int32 [groups], zeros: splits finished per (token block, head)
     num_tokens,
     norm_eps,
     qk_eps,
@@ -56,12 +60,15 @@ def _norm_qkv_rope_kernel(
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     QK_NORM: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
+    K_PER_SPLIT: tl.constexpr = HIDDEN // SPLIT_K
     head = tl.program_id(1)  # q heads, then k heads, then v heads
+    split = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_tokens
     rows64 = rows.to(tl.int64)
@@ -77,7 +84,7 @@ def _norm_qkv_rope_kernel(
     acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
+    for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
         x = tl.load(x_rows + k0, mask=row_ok[:, None], other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(res_rows + k0, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -97,6 +104,31 @@ def _norm_qkv_rope_kernel(
         else:
             acc_lo += tl.dot(a, wl)
             acc_hi += tl.dot(a, wh)
+
+    if SPLIT_K > 1:
+        # Each split leaves its partial dots and sums of squares; the last of a (token block,
+        # head) to finish adds them up and runs the epilogue (the counter's release/acquire
+        # orders the partials; they are read from L2).
+        offs_m = tl.arange(0, BLOCK_M)
+        group = tl.program_id(0) * tl.num_programs(1) + head
+        ws = ws_acc_ptr + (group * SPLIT_K * BLOCK_M + offs_m[:, None]) * HEAD_DIM \
+            + offs_h[None, :]
+        tl.store(ws + split * BLOCK_M * HEAD_DIM, acc_lo)
+        tl.store(ws + split * BLOCK_M * HEAD_DIM + HALF, acc_hi)
+        ws_ss = ws_ss_ptr + group * SPLIT_K * BLOCK_M + offs_m
+        tl.store(ws_ss + split * BLOCK_M, ss)
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr + group, 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        tl.store(done_ptr + group, 0)  # ready for the next launch (CUDA-graph replays too)
+        tl.debug_barrier()
+        acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s_i in tl.static_range(SPLIT_K):
+            acc_lo += tl.load(ws + s_i * BLOCK_M * HEAD_DIM, cache_modifier=".cg")
+            acc_hi += tl.load(ws + s_i * BLOCK_M * HEAD_DIM + HALF, cache_modifier=".cg")
+            ss += tl.load(ws_ss + s_i * BLOCK_M, cache_modifier=".cg")
 
     rstd = tl.math.rsqrt(ss / HIDDEN + norm_eps)[:, None]
     # Rounded as the GEMM's output would be.
@@ -140,10 +172,13 @@ def _norm_qkv_rope_kernel(
             tl.store(dst + HALF, o2.to(cache_ty), mask=cache_ok)
 
 
-def _launch_shape(num_tokens: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_warps, num_stages) for a batch of ``num_tokens``."""
+def _launch_shape(num_tokens: int, hidden_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT_K) for a batch of ``num_tokens``."""
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
-    return block_m, 64, 4, 3
+    block_k, split_k = 64, 4 if num_tokens <= 64 else 2
+    while split_k > 1 and hidden_size % (block_k * split_k):
+        split_k //= 2
+    return block_m, block_k, 4, 3, split_k
 
 
 def norm_qkv_rope_triton(
@@ -163,14 +198,14 @@ def norm_qkv_rope_triton(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     qk_eps: float = 0.0,
-    block: tuple[int, int, int, int] | None = None,
+    block: tuple[int, int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [T, Hq * D], x + residual)`` (``hidden`` itself when ``residual`` is None); the
     new keys (normed, rotated) and values go into the caches at ``slot_mapping``. ``block``
     overrides the launch shape (benchmarks)."""
     num_tokens, hidden_size = hidden.shape
-    block_m, block_k, num_warps, num_stages = block or _launch_shape(num_tokens)
-    if (hidden_size % block_k or head_dim & (head_dim - 1) or cos_sin_cache.shape[1] != head_dim
+    block_m, block_k, num_warps, num_stages, split_k = block or _launch_shape(num_tokens, hidden.shape[1])
+    if (hidden_size % (block_k * split_k) or head_dim & (head_dim - 1) or cos_sin_cache.shape[1] != head_dim
             or qkv_weight.shape != ((num_q_heads + 2 * num_kv_heads) * head_dim, hidden_size)
             or qkv_weight.stride(1) != 1 or hidden.stride(1) != 1
             or k_cache.shape[2:] != (num_kv_heads, head_dim) or k_cache.stride(3) != 1
@@ -185,16 +220,25 @@ def norm_qkv_rope_triton(
         return q, new_res
     res = residual if has_res else hidden
     qk_norm = q_weight is not None
-    grid = (triton.cdiv(num_tokens, block_m), num_q_heads + 2 * num_kv_heads)
+    grid = (triton.cdiv(num_tokens, block_m), num_q_heads + 2 * num_kv_heads, split_k)
+    groups = grid[0] * grid[1]
+    if split_k > 1:
+        ws_acc = torch.empty((groups, split_k, block_m, head_dim), dtype=torch.float32,
+                             device=hidden.device)
+        ws_ss = torch.empty((groups, split_k, block_m), dtype=torch.float32,
+                            device=hidden.device)
+        done = zeroed_counters(hidden.device, groups)
+    else:
+        ws_acc = ws_ss = done = q  # unused
     _norm_qkv_rope_kernel[grid](
         q, new_res, hidden, res, norm_weight, qkv_weight, positions, cos_sin_cache,
         q_weight if qk_norm else norm_weight, k_weight if qk_norm else norm_weight,
-        k_cache, v_cache, slot_mapping, num_tokens, norm_eps, qk_eps,
+        k_cache, v_cache, slot_mapping, ws_acc, ws_ss, done, num_tokens, norm_eps, qk_eps,
         hidden.stride(0), res.stride(0), qkv_weight.stride(0), cos_sin_cache.stride(0),
         *k_cache.stride()[:3],
         HIDDEN=hidden_size, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, KV_BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_K=block_k,
-        HAS_RESIDUAL=has_res, QK_NORM=qk_norm, IEEE_DOT=hidden.dtype == torch.float32,
+        SPLIT_K=split_k, HAS_RESIDUAL=has_res, QK_NORM=qk_norm, IEEE_DOT=hidden.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return q, new_res
