@@ -734,55 +734,6 @@ def gemm_host_cost(iters: int) -> None:
     print(f"{'triton':>8} {'silu':>8} {16384:>6} {idle:>8.1f} {busy:>8.1f}")
 
 
-def qkv_sweep(iters: int) -> None:
-    """The fused attention input (add-norm, QKV, q/k norm, rotary, KV store) at Qwen3-0.6B's
-    decode shapes, graph-replayed, by launch shape, against the unfused chain (add-norm
-    kernel, cuBLAS GEMM, norm-rotary-store kernel)."""
-    from bastion.ops.qkv import norm_qkv_rope_ref
-    from bastion.ops.triton.qkv_rope import norm_qkv_rope_triton
-
-    dims = {"num_q_heads": HQ, "num_kv_heads": HK, "head_dim": D}
-    shapes = [(bm, bk, 4, st, sk) for bm in (16, 32, 64) for bk in (64, 128) for st in (3, 5)
-              for sk in (1, 2, 4, 8)]
-    print(f"{'M':>4} {'unfused us':>10} {'fused best us':>13} {'best shape':>19} "
-          f"{'default us':>10} {'max err':>8}")
-    for m in (256, 128, 64, 32, 8):
-        blocks = 4 * m // BLOCK + 8
-        slots = torch.randperm(blocks * BLOCK, device=DEV)[:m]
-        freqs = torch.outer(torch.arange(4096, device=DEV).float(),
-                            1.0 / 1e6 ** (torch.arange(0, D, 2, device=DEV).float() / D))
-        case = dict(hidden=torch.randn(m, HIDDEN, dtype=BF16, device=DEV),
-                    residual=torch.randn(m, HIDDEN, dtype=BF16, device=DEV),
-                    norm_weight=torch.rand(HIDDEN, dtype=BF16, device=DEV) + 0.5,
-                    norm_eps=1e-6,
-                    qkv_weight=torch.randn((HQ + 2 * HK) * D, HIDDEN, dtype=BF16,
-                                           device=DEV) * 0.03,
-                    positions=torch.randint(0, 4096, (m,), device=DEV),
-                    cos_sin_cache=torch.cat((freqs.cos(), freqs.sin()), dim=-1),
-                    k_cache=torch.zeros(blocks, BLOCK, HK, D, dtype=BF16, device=DEV),
-                    v_cache=torch.zeros(blocks, BLOCK, HK, D, dtype=BF16, device=DEV),
-                    slot_mapping=slots, q_weight=torch.rand(D, dtype=BF16, device=DEV) + 0.5,
-                    k_weight=torch.rand(D, dtype=BF16, device=DEV) + 0.5, qk_eps=1e-6, **dims)
-        ref_q = norm_qkv_rope_ref(**case)[0]
-        unfused = bench_graph(lambda case=case: norm_qkv_rope_ref(**case), iters)
-        default = bench_graph(lambda case=case: norm_qkv_rope_triton(**case), iters)
-        times = []
-        for shape in shapes:
-            def run(case=case, shape=shape):  # type: ignore[no-untyped-def]
-                return norm_qkv_rope_triton(**case, block=shape)[0]
-
-            timed = _check_and_time(run, ref_q, bench_graph, iters, f"{m:>4} {shape}")
-            if timed is not None:
-                times.append((timed[1], shape))
-        times.sort()
-        print(f"  M={m} fastest shapes: " + ", ".join(f"{sh} {us:.1f}" for us, sh in times[:6]))
-        best = times[0] if times else (float("inf"), None)
-        err = max_err(norm_qkv_rope_triton(**case)[0], ref_q)
-        print(f"{m:>4} {unfused:>10.1f} {best[0]:>13.1f} {str(best[1]):>19} {default:>10.1f} "
-              f"{err:>8.4f}")
-        torch.cuda.empty_cache()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=100)
@@ -798,8 +749,6 @@ def main() -> int:
                         help="host time of an eager F.linear by shape and BLAS library")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="time prefill attention's launch shapes on workload-like chunks")
-    parser.add_argument("--qkv-sweep", action="store_true",
-                        help="the fused attention input against the unfused chain, by shape")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_kernel_check needs a CUDA GPU", file=sys.stderr)
@@ -813,9 +762,6 @@ def main() -> int:
         return 0
     if args.prefill_sweep:
         prefill_sweep(args.iters)
-        return 0
-    if args.qkv_sweep:
-        qkv_sweep(args.iters)
         return 0
     if args.gemm_host:
         gemm_host_cost(args.iters)

@@ -9,8 +9,7 @@
 # launch shapes at workload-like batches), decsweep (decode attention's launch shapes, with
 # each variant's registers and spills), readbw (read bandwidth, and paged K/V reads beside
 # attention), prefillsweep (prefill attention's launch shapes on workload-like 16k-token
-# chunks), qkvsweep (the fused attention input against the unfused chain at decode batches, by
-# launch shape), gemmhost (the host time of an eager F.linear by shape, cuBLAS against cuBLASLt, and
+# chunks), gemmhost (the host time of an eager F.linear by shape, cuBLAS against cuBLASLt, and
 # of a Triton launch), tests (GPU parity under CUDA graphs), offline (nano-vllm workload,
 # Qwen3-0.6B architecture, dummy weights, prefill chunks of $MAX_BATCHED tokens, default
 # 16384; offsync: the same without async scheduling; offtemp: the same sampling at temperature
@@ -133,8 +132,6 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --decode-sweep --iters 30 ;;
     readbw) stage readbw 150 'copy|stream|step|^ *[0-9]' -- \
       $PY scripts/gpu_kernel_check.py --read-bandwidth --iters 30 ;;
-    qkvsweep) stage qkvsweep 280 '^ *M |^ *[0-9]+ ' -- \
-      $PY scripts/gpu_kernel_check.py --qkv-sweep --iters 30 ;;
     gemmhost) stage gemmhost 120 'blas|triton' -- \
       $PY scripts/gpu_kernel_check.py --gemm-host --iters 30 ;;
     prefillsweep) stage prefillsweep 200 'copy|chunk|whole|halves' -- \

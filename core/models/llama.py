@@ -19,7 +19,6 @@ from bastion.core.models.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from bastion.core.models.weights import default_dtype, load_hf_weights
-from bastion.ops.qkv import norm_qkv_rope
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -47,32 +46,8 @@ class LlamaAttention(nn.Module):
                               self.qkv_proj.num_kv_heads)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
-        # The input norm, QKV, q/k norms, rotary and KV store can run as one op (ops/qkv.py).
-        self.fuses_input = (self.qkv_proj.bias is None and self.rotary_emb.is_neox_style
-                            and self.rotary_emb.rotary_dim == head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, input_norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's input norm (with the residual add), attention and output projection;
-        returns ``(output, new residual)``."""
-        cache = self.attn.paged_cache() if self.fuses_input else None
-        if cache is not None:
-            norms = {} if self.q_norm is None else {
-                "q_weight": self.q_norm.weight, "k_weight": self.k_norm.weight,
-                "qk_eps": self.q_norm.eps}
-            q, residual = norm_qkv_rope(
-                hidden, residual, input_norm.weight, input_norm.eps, self.qkv_proj.weight,
-                positions, self.rotary_emb.cos_sin_cache, self.qkv_proj.num_heads,
-                self.qkv_proj.num_kv_heads, self.head_dim, *cache, **norms)
-            return self.o_proj(self.attn(q, None, None, kv_stored=True)), residual
-        if residual is None:
-            residual, hidden = hidden, input_norm(hidden)
-        else:
-            hidden, residual = input_norm(hidden, residual)
-        return self._attend(positions, hidden), residual
-
-    def _attend(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # One kernel: q/k norms (Qwen3), rotary, and the store of k and v in the KV cache.
@@ -107,7 +82,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

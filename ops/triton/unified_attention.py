@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 from bastion.ops.triton.attention_reduce import merge_attention_splits_triton
-from bastion.ops.triton.counters import zeroed_counters
 from triton.runtime.errors import OutOfResources
 
 if TYPE_CHECKING:
@@ -285,6 +284,19 @@ _SPLIT_MIXED = os.environ.get("BASTION_SPLIT_MIXED_ATTENTION", "1") != "0"
 # "0" merges a split decode in a second kernel instead of in its last split's program.
 _FUSED_MERGE = os.environ.get("BASTION_FUSED_SPLIT_MERGE", "1") != "0"
 
+# Per device: the zeroed counters of the fused merge; they return to zero after every launch.
+_DONE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _done_counters(device: torch.device, needed: int) -> torch.Tensor:
+    done = _DONE_COUNTERS.get(device)
+    if done is None or done.numel() < needed:
+        # NOTE: the largest decode graph is warmed up (eagerly) before any capture, so the
+        # buffer a graph holds is never replaced.
+        done = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
+        _DONE_COUNTERS[device] = done
+    return done
+
 # Launch shapes that did not fit this GPU -> the smaller shape that did.
 _FITTED: dict[KernelConfig, KernelConfig] = {}
 
@@ -438,7 +450,7 @@ def paged_attention_triton(
     else:
         part_out = part_ml = out  # unused by the kernel
     fused_merge = num_splits > 1 and _FUSED_MERGE
-    done = (zeroed_counters(query.device, num_q_blocks * num_kv_heads) if fused_merge
+    done = (_done_counters(query.device, num_q_blocks * num_kv_heads) if fused_merge
             else part_ml)
     args = (out, part_out, part_ml, done, query, k_cache, v_cache, bt, meta.seq_lens,
             meta.query_start_loc, scale * _LOG2E, num_seqs,

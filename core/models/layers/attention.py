@@ -37,12 +37,6 @@ class Attention(nn.Module):
         meta = get_forward_context()
         return None if meta is None or self.k_cache.numel() == 0 else meta
 
-    def paged_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(k_cache, v_cache, slot_mapping)`` of this step, or None when nothing is stored
-        (no context or no cache)."""
-        meta = self._paged_context()
-        return None if meta is None else (self.k_cache, self.v_cache, meta.slot_mapping)
-
     def kv_store_args(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """What ``apply_rotary_emb`` needs to store this step's keys and ``v`` in this layer's
         cache as it rotates them (empty when nothing is stored: no context or no cache)."""
@@ -52,23 +46,21 @@ class Attention(nn.Module):
         return {"value": v, "k_cache": self.k_cache, "v_cache": self.v_cache,
                 "slot_mapping": meta.slot_mapping}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_stored: bool = False) -> torch.Tensor:
         """``q`` [T, Hq*D], ``k``/``v`` [T, Hk*D] -> [T, Hq*D]. ``kv_stored``: the caller
-        already stored the step's keys and values in the cache (then ``k``/``v`` may be None)."""
+        already stored ``k``/``v`` in the cache (fused into its rotary kernel)."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         meta = self._paged_context()
         if meta is None:
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                 scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
         else:
             if not kv_stored:
-                store_kvcache(k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                              v.view(num_tokens, self.num_kv_heads, self.head_dim),
-                              self.k_cache, self.v_cache, meta.slot_mapping)
+                store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
