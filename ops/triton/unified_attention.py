@@ -34,9 +34,11 @@ _LOG2E = 1.4426950408889634
 # Decode splits the context until the grid has about this many programs. Two or three run on
 # each of an H200's 132 SMs at a time; a grid of a few waves keeps the last one from idling most
 # SMs (41 sequences x 8 KV heads over 1.4k context: 78 us with 4 splits against 88 us with 1).
-_TARGET_PROGRAMS = 12 * 132
+# BASTION_DECODE_SPLIT_TARGET / BASTION_DECODE_SPLIT_MIN_KEYS override the two bounds for A/B
+# runs of the whole engine.
+_TARGET_PROGRAMS = int(os.environ.get("BASTION_DECODE_SPLIT_TARGET", 12 * 132))
 _MAX_SPLITS = 16
-_MIN_SPLIT_KEYS = 256
+_MIN_SPLIT_KEYS = int(os.environ.get("BASTION_DECODE_SPLIT_MIN_KEYS", 256))
 
 
 class KernelConfig(NamedTuple):
