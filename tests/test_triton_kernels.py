@@ -186,18 +186,13 @@ def test_attention_mixed_batch_runs_its_decode_rows_in_their_own_launch(
     # the prefill launch skips them. Each launch alone would leave the other's rows unwritten.
     mod = _K["unified_attention"]
     monkeypatch.setattr(mod, "_SPLIT_MIXED", split_mixed)
-    launch, seen = mod._launch, []
-
-    def recording(grid, config, args, **consts):  # type: ignore[no-untyped-def]
-        seen.append((consts["DECODE"], consts["SKIP_DECODE_ROWS"], config.block_m))
-        return launch(grid, config, args, **consts)
-
-    monkeypatch.setattr(mod, "_launch", recording)
+    launches = _record_launches(monkeypatch)
     _check_attention(
         q_lens=[1, 9, 1, 30, 1], ctx_lens=[40, 0, 3, 17, 70], num_heads=4, num_kv_heads=2,
         head_dim=16, block_size=8, num_splits=None, num_pad_tokens=1,
     )  # fmt: skip
     prefill_rows = mod.PREFILL_CONFIG.block_m
+    seen = [(c["DECODE"], c["SKIP_DECODE_ROWS"], config.block_m) for config, c in launches]
     assert seen == ([(False, True, prefill_rows), (True, False, mod.DECODE_CONFIG.block_m)]
                     if split_mixed else [(False, False, prefill_rows)])
 
@@ -280,18 +275,21 @@ def test_attention_decode_batch_with_graph_padding_rows(num_splits: int) -> None
     )  # fmt: skip
 
 
-def _count_merged_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The split count of every launch that split, in order (a list filled later)."""
+def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, dict]]:  # type: ignore[type-arg]
+    """(launch shape, constexprs) of every attention launch, in order (a list filled later)."""
     mod = _K["unified_attention"]
-    launch, seen_splits = mod._launch, []
+    launch, seen = mod._launch, []
 
-    def counting_launch(grid, config, args, **consts):  # type: ignore[no-untyped-def]
-        if consts["NUM_SPLITS"] > 1:
-            seen_splits.append(consts["NUM_SPLITS"])
+    def recording(grid, config, args, **consts):  # type: ignore[no-untyped-def]
+        seen.append((config, consts))
         return launch(grid, config, args, **consts)
 
-    monkeypatch.setattr(mod, "_launch", counting_launch)
-    return seen_splits
+    monkeypatch.setattr(mod, "_launch", recording)
+    return seen
+
+
+def _split_counts(launches: list[tuple[object, dict]]) -> list[int]:  # type: ignore[type-arg]
+    return [c["NUM_SPLITS"] for _, c in launches if c["NUM_SPLITS"] > 1]
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -319,24 +317,24 @@ def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Under CUDA graphs the split count follows the captured bound (here 4096 keys: 16 splits)
     # while the real contexts are short: most splits see no key and must not contribute.
-    seen_splits = _count_merged_splits(monkeypatch)
+    launches = _record_launches(monkeypatch)
     _check_attention(
         q_lens=[1, 1, 0], ctx_lens=[70, 0, 0], num_heads=4, num_kv_heads=2, head_dim=16,
         block_size=8, num_splits=None, num_pad_tokens=1, max_seq_len=4096,
     )  # fmt: skip
-    assert seen_splits == [16]
+    assert _split_counts(launches) == [16]
 
 
 def test_attention_decode_auto_split_long_context(monkeypatch: pytest.MonkeyPatch) -> None:
     # a small decode batch makes the launcher split the context; contexts of very different
     # lengths leave some splits empty (they must not contribute).
-    seen_splits = _count_merged_splits(monkeypatch)
+    launches = _record_launches(monkeypatch)
     _check_attention(
         q_lens=[1, 1, 1], ctx_lens=[600, 3, 64], num_heads=8, num_kv_heads=1,
         head_dim=16, block_size=16, num_splits=None,
     )  # fmt: skip
     # Contexts up to 601 keys: two splits of at least 256 keys each, no more.
-    assert seen_splits == [2]
+    assert _split_counts(launches) == [2]
 
 
 def test_attention_rejects_bad_inputs() -> None:
