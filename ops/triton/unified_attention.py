@@ -10,7 +10,8 @@ log2 domain.
 
 For decode at small batch the grid is too small to fill the GPU, so the context may be split
 into ``num_splits`` ranges (flash-decoding): each split writes its unnormalised partial output,
-running max and running sum, and ``attention_reduce`` merges them.
+running max and running sum, and the last split of a sequence and KV head to finish merges them
+(``attention_reduce``'s kernel does it instead with ``BASTION_FUSED_SPLIT_MERGE=0``).
 """
 
 from __future__ import annotations
@@ -298,6 +299,7 @@ def _done_counters(device: torch.device, needed: int) -> torch.Tensor:
         done = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
         _DONE_COUNTERS[device] = done
     return done
+
 
 # Launch shapes that did not fit this GPU -> the smaller shape that did.
 _FITTED: dict[KernelConfig, KernelConfig] = {}
