@@ -12,6 +12,34 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def merge_splits(part_out_ptr, part_ml_ptr, first, row_ok, offs_d, ROWS: tl.constexpr,
+                 HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The merged output [ROWS, HEAD_PAD] (float32) of (token, head) rows whose split 0 is at
+    partial row ``first`` [ROWS] (the splits follow it). Partials are read from L2 (``.cg``): the
+    fused merge reads what other programs of the same launch wrote. A row no split saw comes
+    out 0."""
+    m_all = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        m_all = tl.maximum(m_all, m_s)
+    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
+    num = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
+    den = tl.zeros([ROWS], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=row_ok, other=0.0,
+                      cache_modifier=".cg")
+        acc_s = tl.load(part_out_ptr + (first + s)[:, None] * HEAD_PAD + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m_s - m_all)
+        num += acc_s * w[:, None]
+        den += l_s * w
+    return num / tl.where(den > 0.0, den, 1.0)[:, None]
+
+
 @triton.jit(do_not_specialize=["num_seqs"])  # it changes every step: no variant per count
 def _merge_attention_splits_kernel(
     out_ptr,  # [T, Hq, D]
@@ -25,7 +53,6 @@ def _merge_attention_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -36,21 +63,10 @@ def _merge_attention_splits_kernel(
     if tok >= tl.load(query_start_loc_ptr + num_seqs):
         tl.store(out_row + offs_d, tl.zeros([HEAD_PAD], dtype=tl.float32), mask=d_ok)
         return
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_ok = offs_s < NUM_SPLITS
-    row = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - m_max)  # split 0 always sees key 0, so m_max is finite
-    denom = tl.sum(w * l, axis=0)
-    acc = tl.load(
-        part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    out = tl.sum(acc * w[:, None], axis=0) / denom
-    tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    first = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS + tl.zeros([1], dtype=tl.int64)
+    out = merge_splits(part_out_ptr, part_ml_ptr, first, first >= 0, offs_d, 1, HEAD_PAD,
+                       NUM_SPLITS)
+    tl.store(out_row + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok[None, :])
 
 
 def merge_attention_splits_triton(
@@ -79,6 +95,5 @@ def merge_attention_splits_triton(
         out, part_out, part_ml, query_start_loc, num_seqs, num_heads,
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=4 if head_pad >= 128 else 2,
     )  # fmt: skip

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import triton
 import triton.language as tl
-from bastion.ops.triton.attention_reduce import merge_attention_splits_triton
+from bastion.ops.triton.attention_reduce import merge_attention_splits_triton, merge_splits
 from triton.runtime.errors import OutOfResources
 
 if TYPE_CHECKING:
@@ -247,33 +247,14 @@ def _unified_attention_kernel(
         if FUSED_MERGE:
             # The last split of this query block and KV head to finish merges them all, so no
             # second kernel runs. Every thread's stores precede the count (barrier, then the
-            # atomic's release); the merging program reads the partials from L2 (.cg).
+            # atomic's release); the merging program reads the partials from L2.
             tl.debug_barrier()
             group = done_ptr + q_block_id * tl.num_programs(1) + kv_head
             if tl.atomic_add(group, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 tl.store(group, 0)  # ready for the next launch (CUDA-graph replays too)
                 tl.debug_barrier()
-                first = row - split
-                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for s_i in tl.static_range(NUM_SPLITS):
-                    m_s = tl.load(part_ml_ptr + (first + s_i) * 2, mask=row_ok,
-                                  other=float("-inf"), cache_modifier=".cg")
-                    m_all = tl.maximum(m_all, m_s)
-                m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
-                num = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-                den = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for s_i in tl.static_range(NUM_SPLITS):
-                    m_s = tl.load(part_ml_ptr + (first + s_i) * 2, mask=row_ok,
-                                  other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_ml_ptr + (first + s_i) * 2 + 1, mask=row_ok, other=0.0,
-                                  cache_modifier=".cg")
-                    acc_s = tl.load(part_out_ptr + (first + s_i)[:, None] * HEAD_PAD
-                                    + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                                    cache_modifier=".cg")
-                    w = tl.exp2(m_s - m_all)
-                    num += acc_s * w[:, None]
-                    den += l_s * w
-                out = num / tl.where(den > 0.0, den, 1.0)[:, None]
+                out = merge_splits(part_out_ptr, part_ml_ptr, row - split, row_ok, offs_d,
+                                   BLOCK_M, HEAD_PAD, NUM_SPLITS)
                 tl.store(
                     out_ptr + q_tok[:, None] * stride_o_t + head[:, None] * stride_o_h
                     + offs_d[None, :],
