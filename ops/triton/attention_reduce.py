@@ -1,4 +1,6 @@
-"""Second step of split-context (flash-decoding) attention: merge the per-split partials.
+"""Merging the per-split partials of split-context (flash-decoding) attention: ``merge_splits``,
+which the attention kernel's last split calls, and a second kernel that does the same for a
+whole launch (``BASTION_FUSED_SPLIT_MERGE=0``).
 
 Split s of a (token, head) left an unnormalised output ``acc_s``, its running max ``m_s`` (log2
 domain, -inf when the split saw no key) and running sum ``l_s``. The exact softmax result is
