@@ -202,3 +202,21 @@ def test_unknown_checkpoint_tensor_is_an_error() -> None:
         model.load_weights([(n, t) for n, t in weights if n != "model.norm.weight"])
     with pytest.raises(ValueError, match="not supported; supported: LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
+
+
+def test_gguf_cache_folder_is_keyed_by_content(tmp_path, monkeypatch) -> None:
+    """Copies of one GGUF file at other paths, with other mtimes, share one converted folder; a
+    changed byte gets its own (a folder per path filled CI's disk with converted weights)."""
+    from bastion.core.loader.gguf_loader import converted_dir
+
+    monkeypatch.setenv("BASTION_CACHE_DIR", str(tmp_path / "cache"))
+    body = b"GGUF" + bytes(range(256)) * 64
+    first, second, changed = (tmp_path / d / "m.gguf" for d in ("a", "b", "c"))
+    for path, data in ((first, body), (second, body), (changed, body[:-1] + b"\x01")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, ns=(1_000_000_000, 1_000_000_000))
+    folder = converted_dir(str(first))
+    assert folder.parent == tmp_path / "cache" / "gguf" and folder.name.startswith("m-")
+    assert converted_dir(str(second)) == folder
+    assert converted_dir(str(changed)) != folder

@@ -3,8 +3,9 @@
 The first load reads the GGUF file, dequantizes every tensor to float32, renames it to its
 Hugging Face name (undoing llama.cpp's q/k row permutation for Llama-family models) and writes
 ``model.safetensors``, ``config.json`` and the tokenizer files (from the GGUF metadata, via
-transformers' GGUF integration) under ``$BASTION_CACHE_DIR/gguf/<name>-<key>``, keyed by the file's
-path, size and mtime. Later loads read that folder with the Hugging Face loader.
+transformers' GGUF integration) under ``$BASTION_CACHE_DIR/gguf/<name>-<key>``, keyed by a digest
+of the file's bytes. Later loads read that folder with the Hugging Face loader; a copy of the same
+file at another path (a fresh clone, a redeploy) reuses it instead of adding a folder per path.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ def is_gguf_file(path: str) -> bool:
 
 
 def converted_dir(path: str) -> Path:
-    """Cache folder of one GGUF file; a changed file (size or mtime) gets a new folder."""
-    st = os.stat(path)
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    """Cache folder of one GGUF file, named by its stem and a SHA-256 of its bytes.
+
+    # NOTE: the key is the content, not the path or mtime: keyed by path, every clone or deploy
+    folder of the same model added a folder of float32 weights and filled the disk. Hashing reads
+    the file once per load (about 1.5 GB/s), small next to reading the converted weights.
+    """
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
     return bastion_cache_dir() / "gguf" / f"{Path(path).stem}-{digest}"
 
 
