@@ -37,6 +37,7 @@ from bastion.api.serving import (
 from bastion.core.output_processor import SeqDelta
 from bastion.core.outputs import TokenLogprob
 
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 _PROMPT_FORMS = ("prompt must be a non-empty string, a list of strings, a list of token ids or "
                  "a list of lists of token ids")
 
@@ -89,12 +90,15 @@ def parse_completion_request(request: web.Request, body: dict) -> GenerateReques
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)",
                           "echo")
     max_tokens = get_int(body, "max_tokens")
+    # OpenAI's legacy API (and vLLM) stop at 16 tokens when max_tokens is absent; an explicit
+    # null fills the context, as chat does by default.
+    default = None if "max_tokens" in body else DEFAULT_COMPLETION_MAX_TOKENS
     stream = get_bool(body, "stream", False)
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
     base = base_sampling_params(body, config, logprobs, max_tokens)
-    params = [fit_to_context(base, len(p.token_ids), client.max_model_len, max_tokens, "prompt")
-              for p in prompts]
+    params = [fit_to_context(base, len(p.token_ids), client.max_model_len, max_tokens, "prompt",
+                             default) for p in prompts]
     return GenerateRequest(model, prompts, params, stream, include_usage, deadline, echo)
 
 

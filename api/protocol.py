@@ -222,8 +222,10 @@ def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
 
 
 def fit_to_context(params: SamplingParams, num_prompt_tokens: int, max_model_len: int,
-                   requested: int | None, where: str) -> SamplingParams:
-    """Resolve ``max_tokens`` for one prompt: the request's, or what is left of the context."""
+                   requested: int | None, where: str, default: int | None = None
+                   ) -> SamplingParams:
+    """Resolve ``max_tokens`` for one prompt: the request's, else ``default`` (at most what is
+    left of the context), else what is left of the context."""
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -236,7 +238,8 @@ def fit_to_context(params: SamplingParams, num_prompt_tokens: int, max_model_len
             f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
             f"{where}, {requested} in the completion). Please reduce the length of the {where} "
             "or completion.", "max_tokens", "context_length_exceeded")
-    max_tokens = requested if requested is not None else max_model_len - num_prompt_tokens
+    room = max_model_len - num_prompt_tokens
+    max_tokens = requested if requested is not None else min(default or room, room)
     try:
         return msgspec.structs.replace(params, max_tokens=max_tokens)  # re-verifies
     except InvalidParam as exc:

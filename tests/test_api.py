@@ -212,17 +212,25 @@ async def test_completion_exact_text_and_usage(serve, tokenizer):
     assert (params.temperature, params.max_tokens, deadline) == (0.0, 5, None)
 
 
-async def test_completion_defaults_max_tokens_to_rest_of_context(serve, tokenizer):
+async def test_completion_max_tokens_defaults_to_16_and_null_fills_the_context(serve, tokenizer):
+    """Absent: OpenAI's legacy default of 16 (vLLM's too), cut to what the context leaves;
+    an explicit null: the rest of the context."""
     http, engine = await serve()
     resp = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "top_k": 5,
                                                     "min_p": 0.1, "seed": 7, "ignore_eos": True,
                                                     "stop_token_ids": [2], "min_tokens": 2})
     assert resp.status == 200
     params = engine.requests[0][2]
-    assert params.max_tokens == MAX_MODEL_LEN - 3
+    assert params.max_tokens == 16
     assert (params.top_k, params.min_p, params.seed, params.ignore_eos) == (5, 0.1, 7, True)
     assert (params.stop_token_ids, params.min_tokens) == ([2], 2)
-    assert (await resp.json())["choices"][0]["text"] == expected_text(tokenizer, MAX_MODEL_LEN - 3)
+    assert (await resp.json())["choices"][0]["text"] == expected_text(tokenizer, 16)
+
+    resp = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": None})
+    assert resp.status == 200 and engine.requests[1][2].max_tokens == MAX_MODEL_LEN - 3
+    long_prompt = [1] * (MAX_MODEL_LEN - 5)
+    resp = await http.post("/v1/completions", json={"prompt": long_prompt})
+    assert resp.status == 200 and engine.requests[2][2].max_tokens == 5
 
 
 async def test_completion_stop_string(serve, tokenizer):
