@@ -6,12 +6,18 @@ a new port (epoch) in the same, still loaded, processes. So each ``StatelessGrou
 ``TCPStore`` (hosted by rank 0) and a process group built directly on it; nothing is registered
 with ``torch.distributed``, and ``destroy()`` drops both.
 
-Port plan (``ParallelConfig.data_parallel_rpc_port`` = ``base``):
+Port plan (``ParallelConfig.data_parallel_rpc_port`` = ``base``, ``e = epoch % PORT_EPOCHS``):
 - worker groups that span engines (expert parallel with ``data_parallel_size > 1``):
-  ``base + 7 + 2 * epoch`` on ``data_parallel_address`` (``worker_group_port``), so every engine
-  derives the same rendezvous without talking; the engines' own CPU group uses ``base + 8 + 2 *
-  epoch``.
+  ``base + 7 + 2 * e`` on ``data_parallel_address`` (``worker_group_port``), so every engine
+  derives the same rendezvous without talking; the engines' own CPU group uses
+  ``base + 8 + 2 * e`` (``engine_group_port``). The window keeps a daemon that recovers for
+  months inside ``base .. base + 8 + 2 * (PORT_EPOCHS - 1)``.
 - worker groups inside one engine (TP only): a free local port the executor picks per epoch.
+
+A failed recovery attempt must not hold its peers for the start-up rendezvous time: every process
+is up by then, so groups rebuilt at a new epoch wait ``distributed_timeout_s`` for their peers
+(``recovery_rendezvous_timeout_s``), and the next attempt moves to the next port (a port taken
+by another socket fails the attempt at once).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
 import time
 from typing import NamedTuple
 
@@ -46,9 +53,22 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+PORT_EPOCHS = 64
+
+
 def worker_group_port(parallel: ParallelConfig, epoch: int) -> int:
     """The rendezvous port of the cross-engine worker group (EP over all DP x TP workers)."""
-    return parallel.data_parallel_rpc_port + 7 + 2 * epoch
+    return parallel.data_parallel_rpc_port + 7 + 2 * (epoch % PORT_EPOCHS)
+
+
+def engine_group_port(parallel: ParallelConfig, epoch: int) -> int:
+    """The rendezvous port of the engines' CPU group."""
+    return parallel.data_parallel_rpc_port + 8 + 2 * (epoch % PORT_EPOCHS)
+
+
+def recovery_rendezvous_timeout_s(parallel: ParallelConfig) -> float:
+    """How long a group rebuilt during recovery waits for its peers (all already running)."""
+    return parallel.distributed_timeout_s
 
 
 def spans_engines(parallel: ParallelConfig) -> bool:
@@ -176,13 +196,45 @@ class StatelessGroup:
 
 def _connect_store(host: str, port: int, rank: int, world_size: int,
                    timeout_s: float) -> dist.Store:
-    try:
+    """Rank 0 hosts the store, the others connect to it, each within ``timeout_s``.
+
+    # NOTE: a client's TCPStore constructor ignores its timeout once some other program's socket
+    accepts the connection and never answers (seen in a recovery whose port another socket
+    held: 45 s and more). So a client connects on a helper thread (torch releases the GIL) and
+    gives up when the timeout passes; the thread ends when that socket closes.
+    """
+    role = "host" if rank == 0 else "reach"
+
+    def failure(reason: object) -> DistributedTimeout:
+        return DistributedTimeout(f"rank {rank} could not {role} the rendezvous at "
+                                  f"{host}:{port} within {timeout_s:.0f} s: {reason}")
+
+    def connect() -> dist.Store:
         return TCPStore(host, port, world_size, rank == 0, timeout=_timedelta(timeout_s),
                         wait_for_workers=False)
-    except Exception as exc:
-        role = "host" if rank == 0 else "reach"
-        raise DistributedTimeout(f"rank {rank} could not {role} the rendezvous at "
-                                 f"{host}:{port} within {timeout_s:.0f} s: {exc}") from exc
+
+    if rank == 0:
+        try:
+            return connect()
+        except Exception as exc:
+            raise failure(exc) from exc
+    outcome: list[tuple[dist.Store | None, BaseException | None]] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append((connect(), None))
+        except Exception as exc:  # noqa: BLE001 (handed to the waiting thread)
+            outcome.append((None, exc))
+
+    thread = threading.Thread(target=attempt, daemon=True, name=f"store-connect-{port}")
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    if not outcome:
+        raise failure("connected, but no answer (is another program listening on that port?)")
+    store, exc = outcome[0]
+    if store is None:
+        raise failure(exc) from exc
+    return store
 
 
 def _wait_for_all(store: dist.Store, rank: int, world_size: int, timeout_s: float,
@@ -230,7 +282,7 @@ class WorkerGroups(NamedTuple):
 
 def build_worker_groups(parallel: ParallelConfig, backend: str, host: str, port: int,
                         dp_rank: int, tp_rank: int, timeout_s: float | None = None,
-                        ) -> WorkerGroups:
+                        rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> WorkerGroups:
     """TP group among one engine's workers; EP group over all ``dp_size * tp_size`` workers.
 
     With a group that spans engines the rendezvous holds every worker of every engine
@@ -241,14 +293,16 @@ def build_worker_groups(parallel: ParallelConfig, backend: str, host: str, port:
     start = time.perf_counter()
     if spans_engines(parallel):
         root = StatelessGroup(backend, host, port, dp_rank * tp_size + tp_rank,
-                              dp_size * tp_size, timeout_s, name="workers")
+                              dp_size * tp_size, timeout_s, name="workers",
+                              rendezvous_timeout_s=rendezvous_timeout_s)
         tp_groups = [root.subgroup(f"tp{d}", list(range(d * tp_size, (d + 1) * tp_size)))
                      for d in range(dp_size)]
         tp = tp_groups[dp_rank]
         ep = root.subgroup("ep", list(range(dp_size * tp_size)))
     else:
         root = StatelessGroup(backend, host, port, tp_rank, tp_size, timeout_s,
-                              name=f"workers{dp_rank}")
+                              name=f"workers{dp_rank}",
+                              rendezvous_timeout_s=rendezvous_timeout_s)
         tp = root.subgroup("tp", list(range(tp_size)))
         ep = root.subgroup("ep", list(range(tp_size))) if parallel.enable_expert_parallel else None
     assert tp is not None

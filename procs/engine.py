@@ -240,7 +240,7 @@ class EngineProc:
             self.executor.reinit_distributed(epoch)
         self.executor.reset()
         if self.is_coupled:
-            self.dp_group = make_dp_group(self.config, self.engine_id, epoch)
+            self.dp_group = make_dp_group(self.config, self.engine_id, epoch, recovering=True)
         self.core.scheduler.step_id = 0
         self.health.set_running(epoch)
         logger.info("engine %d: running at epoch %d", self.engine_id, epoch)
@@ -260,16 +260,23 @@ class EngineProc:
 class EngineGroup:
     """The engines' CPU (gloo) group of one epoch: the MoE lockstep agreement runs on it."""
 
-    def __init__(self, config: EngineConfig, engine_id: int, epoch: int) -> None:
-        from bastion.procs.distributed import StatelessGroup
+    def __init__(self, config: EngineConfig, engine_id: int, epoch: int,
+                 recovering: bool = False) -> None:
+        from bastion.procs.distributed import (
+            RENDEZVOUS_TIMEOUT_S,
+            StatelessGroup,
+            engine_group_port,
+            recovery_rendezvous_timeout_s,
+        )
 
         par = config.parallel
-        # NOTE: port = base + 8 + 2 * epoch; the workers' cross-engine group uses base + 7 +
-        # 2 * epoch, and the sentinels' coordinator listens on the base port itself.
-        self.group = StatelessGroup("gloo", par.data_parallel_address,
-                                    par.data_parallel_rpc_port + 8 + 2 * epoch, engine_id,
-                                    par.data_parallel_size, par.distributed_timeout_s,
-                                    name=f"engines-e{epoch}")
+        # NOTE: the sentinels' coordinator listens on the base port itself; the port plan is in
+        # procs/distributed.py. At a recovery every engine is already up: a short rendezvous.
+        self.group = StatelessGroup(
+            "gloo", par.data_parallel_address, engine_group_port(par, epoch), engine_id,
+            par.data_parallel_size, par.distributed_timeout_s, name=f"engines-e{epoch}",
+            rendezvous_timeout_s=(recovery_rendezvous_timeout_s(par) if recovering
+                                  else RENDEZVOUS_TIMEOUT_S))
 
     def any_true(self, flag: bool) -> bool:
         """Whether any engine has unfinished work (one all-reduce)."""
@@ -280,8 +287,9 @@ class EngineGroup:
         self.group.destroy()
 
 
-def make_dp_group(config: EngineConfig, engine_id: int, epoch: int) -> EngineGroup:
-    return EngineGroup(config, engine_id, epoch)
+def make_dp_group(config: EngineConfig, engine_id: int, epoch: int,
+                  recovering: bool = False) -> EngineGroup:
+    return EngineGroup(config, engine_id, epoch, recovering)
 
 
 def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,

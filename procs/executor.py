@@ -24,9 +24,9 @@ from bastion.ipc.messages import (
     WorkerReply,
 )
 from bastion.procs.distributed import (
-    RENDEZVOUS_TIMEOUT_S,
     check_parallel_divisibility,
     pick_free_port,
+    recovery_rendezvous_timeout_s,
     spans_engines,
     worker_group_port,
 )
@@ -174,8 +174,10 @@ class MultiprocExecutor:
         With cross-engine groups every engine must call this for the same epoch."""
         if host is None or port is None:
             host, port = self._group_address(epoch)
-        self.call("reinit_distributed", host, port, epoch,
-                  timeout_s=self.config.parallel.distributed_timeout_s + RENDEZVOUS_TIMEOUT_S)
+        # NOTE: longer than the workers' own bound (store, arrival and group creation each wait
+        # up to the recovery rendezvous time), so a failed rendezvous is reported by the worker.
+        wait_s = recovery_rendezvous_timeout_s(self.config.parallel)
+        self.call("reinit_distributed", host, port, epoch, timeout_s=3 * wait_s + 10.0)
         self.epoch = epoch
 
     def destroy_distributed(self) -> None:

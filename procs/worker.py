@@ -31,7 +31,13 @@ from bastion.ops.communicator import (
     get_tp_group,
     init_model_parallel,
 )
-from bastion.procs.distributed import WorkerGroups, build_worker_groups, spans_engines
+from bastion.procs.distributed import (
+    RENDEZVOUS_TIMEOUT_S,
+    WorkerGroups,
+    build_worker_groups,
+    recovery_rendezvous_timeout_s,
+    spans_engines,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +79,14 @@ class Worker:
 
     # ------------------------------------------------------------------ process groups
 
-    def init_distributed(self, host: str, port: int, epoch: int) -> None:
+    def init_distributed(self, host: str, port: int, epoch: int,
+                         rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> None:
         """Join this epoch's groups and hand them to the model's layers."""
         if not self.is_distributed:
             return
         self.groups = build_worker_groups(self.config.parallel, self.backend, host, port,
-                                          self.dp_rank, self.rank)
+                                          self.dp_rank, self.rank,
+                                          rendezvous_timeout_s=rendezvous_timeout_s)
         self.epoch = epoch
         ep = self.groups.ep
         init_model_parallel(GroupCoordinator.from_process_group(self.groups.tp.pg),
@@ -106,10 +114,12 @@ class Worker:
 
     def reinit_distributed(self, host: str, port: int, epoch: int) -> int:
         """Destroy the old groups and join new ones at ``host:port`` for ``epoch``; the weights
-        stay loaded (ranks do not change). Every worker of the group must call it."""
+        stay loaded (ranks do not change). Every worker of the group must call it; the peers are
+        all running, so it waits for them only ``recovery_rendezvous_timeout_s``."""
         start = time.perf_counter()
         self.destroy_distributed()
-        self.init_distributed(host, int(port), int(epoch))
+        self.init_distributed(host, int(port), int(epoch),
+                              recovery_rendezvous_timeout_s(self.config.parallel))
         logger.info("worker %d-%d: groups re-created at epoch %d in %.2f s", self.dp_rank,
                     self.rank, epoch, time.perf_counter() - start)
         return self.epoch

@@ -129,7 +129,12 @@ class Coordinator:
 
     def _phase(self, kind: str, instruction: str) -> str | None:
         """Run one phase on every sentinel, self last (peers must be in the rendezvous too);
-        an error message, or None when every engine succeeded."""
+        an error message, or None when every engine succeeded.
+
+        # NOTE: the peers' replies are awaited even when this engine failed at once (a port
+        taken, say): the next attempt's orders would otherwise queue behind a peer still
+        waiting in this attempt's rendezvous, and find its engine stuck.
+        """
         epoch = self.epoch
         for rank in range(1, self.size):
             if not self.sentinel.peers.to_peer(rank, PeerMessage(kind, 0, epoch,
@@ -139,20 +144,22 @@ class Coordinator:
             ok, info = self.sentinel.prepare_local(instruction, epoch)
         else:
             ok, info = self.sentinel.recover_local(epoch)
-        self.failures = {} if ok else {0: info}
-        if not ok:
-            return f"engine 0: {kind}: {info}"
         reply_kind = "paused" if kind == "pause" else "recovered"
         deadline = time.monotonic() + self.ft.ft_recovery_timeout_s
         replies = self.replies.setdefault((reply_kind, epoch), {})
+        missing: list[int] = []
         while len(replies) < self.size - 1:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, self.size)) - set(replies))
-                return f"no {reply_kind} reply from sentinel(s) {missing} at epoch {epoch}"
+                break
             self.sentinel.pump(0.05)
         self.replies.pop((reply_kind, epoch), None)
         self.failures = {r: info for r, (ok, info) in replies.items() if not ok}
+        if not ok:
+            self.failures[0] = info
         failed = [f"engine {r}: {info}" for r, info in sorted(self.failures.items())]
+        if missing:
+            failed.append(f"no {reply_kind} reply from sentinel(s) {missing} at epoch {epoch}")
         return "; ".join(failed) or None
 
     def _pause_only(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,6 +24,13 @@ from pathlib import Path
 # Small enough to start fast on a 2-core CPU; the KV budget is 256 MiB (364 blocks of 16).
 SMALL_SERVER_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
                      "--kv-cache-memory-bytes", "268435456")
+
+
+def dp_base_port() -> int:
+    """A base for a DP server's port plan (base .. base + 134, procs/distributed.py), below
+    Linux's ephemeral range (32768-60999): a plan inside it collides now and then with the local
+    port of some connection, and a recovery attempt then fails on EADDRINUSE."""
+    return random.randrange(20000, 32000, 150)
 
 
 def free_port() -> int:

@@ -4,11 +4,10 @@ with a tiny Qwen3-MoE whose experts are spread over both engines' workers."""
 from __future__ import annotations
 
 import json
-import random
 import threading
 
 import pytest
-from serve_fixture import ServerProcess
+from serve_fixture import ServerProcess, dp_base_port
 from test_fault_tolerance import PROMPTS, moe_folder, post  # noqa: F401 (fixture)
 
 from bastion import LLM, SamplingParams
@@ -41,7 +40,7 @@ def offline_greedy(moe_folder) -> dict[str, str]:  # noqa: F811
 
 
 def test_internal_dp_spreads_load_and_matches_one_process(moe_folder, offline_greedy):  # noqa: F811
-    server = ServerProcess(dp_args(moe_folder, random.randrange(20000, 40000, 50)))
+    server = ServerProcess(dp_args(moe_folder, dp_base_port()))
     try:
         server.wait_healthy(240)
         results: dict[int, str] = {}
@@ -67,7 +66,7 @@ def test_internal_dp_spreads_load_and_matches_one_process(moe_folder, offline_gr
 
 def test_external_dp_each_rank_serves_and_idle_rank_runs_dummy_batches(moe_folder,  # noqa: F811
                                                                        offline_greedy):
-    port = random.randrange(20000, 40000, 50)
+    port = dp_base_port()
     rank0 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "0"))
     rank1 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "1"))
     try:
@@ -92,7 +91,7 @@ def test_external_dp_one_apply_on_any_rank_recovers_the_whole_group(moe_folder, 
                                                                    offline_greedy):
     from test_fault_tolerance import status, wait_for
 
-    port = random.randrange(20000, 40000, 50)
+    port = dp_base_port()
     manual = ("--no-ft-auto-recovery", "--enable-fault-injection")
     rank0 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "0", *manual))
     rank1 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "1", *manual))

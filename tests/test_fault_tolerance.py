@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from serve_fixture import ServerProcess, descendants, process_title
+from serve_fixture import ServerProcess, descendants, dp_base_port, process_title
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def main():", "1, 2, 3,"]
 MAX_TOKENS = 24
@@ -45,7 +45,7 @@ def moe_folder(tmp_path_factory, embedded_gguf_path) -> str:
 
 
 def server_args(folder: str, *extra: str) -> tuple[str, ...]:
-    base_port = random.randrange(20000, 40000, 50)
+    base_port = dp_base_port()
     return ("--model", folder, "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
             "--kv-cache-memory-bytes", "16777216", "--data-parallel-size", "2",
             "--enable-expert-parallel", "--data-parallel-rpc-port", str(base_port),
@@ -184,6 +184,33 @@ def test_ten_faults_in_a_row_each_recover(auto_server, reference):
     out: dict = {}
     stream_tokens(auto_server, PROMPTS[0], out, "after")
     assert out["after"] == reference[PROMPTS[0]]
+
+
+def test_recovery_moves_past_a_taken_port(auto_server, reference):
+    """A foreign socket listens on the port of the next epoch's engine group. The attempt fails
+    at once on engine 0 (EADDRINUSE); engine 1, connected to that socket, gives up within the
+    distributed timeout (8 s) rather than the start-up rendezvous time (300 s); the next
+    attempt, at the next epoch's port, recovers the group."""
+    from bastion.procs.distributed import PORT_EPOCHS
+
+    args = auto_server.proc.args
+    base = int(args[len(args) - 1 - args[::-1].index("--data-parallel-rpc-port") + 1])
+    epoch = max(e["epoch"] for e in status(auto_server))
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("", base + 8 + 2 * ((epoch + 1) % PORT_EPOCHS)))
+    blocker.listen()
+    try:
+        inject(auto_server, "raise", 1)
+        wait_for(lambda: healthy_at(auto_server, epoch + 2), 45, "recovery at the next port")
+    finally:
+        blocker.close()
+    log = auto_server.log_tail(200_000)
+    assert f"auto-reinit attempt 2 at epoch {epoch + 2}" in log
+    assert "EADDRINUSE" in log
+    out: dict = {}
+    stream_tokens(auto_server, PROMPTS[3], out, "after")
+    assert out["after"] == reference[PROMPTS[3]]
 
 
 def test_fault_during_recovery_is_handled(auto_server, reference):

@@ -9,6 +9,7 @@ same processes, and a collective with a dead or hung peer raises within its time
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,14 @@ from bastion import LLM, SamplingParams
 from bastion.core.config import ConfigError, build_engine_config
 from bastion.core.engine_core import EngineCore
 from bastion.ipc.messages import EngineCoreRequest
-from bastion.procs.distributed import DistributedTimeout, StatelessGroup, pick_free_port
+from bastion.procs.distributed import (
+    PORT_EPOCHS,
+    DistributedTimeout,
+    StatelessGroup,
+    engine_group_port,
+    pick_free_port,
+    worker_group_port,
+)
 from bastion.procs.executor import MultiprocExecutor, WorkerFailure
 from bastion.procs.lifecycle import make_runtime_dir, remove_runtime_dir
 
@@ -226,6 +234,32 @@ def test_moe_expert_parallel_over_tp2_x_dp2(tiny_moe) -> None:
 
 
 # --------------------------------------------------------------------- stateless groups
+
+def test_a_client_gives_up_on_a_port_some_other_program_listens_on() -> None:
+    """TCPStore's own client timeout does not cover a listener that accepts and never answers
+    (a recovery whose port another program held waited 45 s and more); the rendezvous does."""
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    try:
+        start = time.monotonic()
+        with pytest.raises(DistributedTimeout, match="rank 1 could not reach the rendezvous at "
+                           r"127\.0\.0\.1:\d+ within 1 s: connected, but no answer"):
+            StatelessGroup("gloo", "127.0.0.1", blocker.getsockname()[1], 1, 2, 1.0,
+                           rendezvous_timeout_s=1.0)
+        assert time.monotonic() - start < 10
+    finally:
+        blocker.close()
+
+
+def test_epoch_ports_stay_in_a_window() -> None:
+    """A daemon that recovers for months keeps its DP ports in base .. base + 134."""
+    par = build_engine_config(data_parallel_size=2, data_parallel_rpc_port=29550).parallel
+    assert [worker_group_port(par, e) for e in (0, 1, 63, 64, 65)] == [
+        29557, 29559, 29683, 29557, 29559]
+    assert [engine_group_port(par, e) for e in (0, 63, 64)] == [29558, 29684, 29558]
+    assert PORT_EPOCHS == 64
+
 
 _PEER = textwrap.dedent("""
     import sys, time, torch
