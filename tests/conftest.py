@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -10,6 +11,13 @@ from bastion.core.loader.embedded import embedded_gguf_path as _embedded_gguf_pa
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 TINY_ARCHITECTURES = ("llama", "llama3_rope", "qwen2", "qwen3", "qwen3_moe")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _server_logs_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Server logs (``serve_fixture.ServerProcess``) go under this session's pytest temp folder,
+    which pytest prunes to the last three sessions; in /tmp they piled up, one per server."""
+    os.environ["BASTION_TEST_LOG_DIR"] = str(tmp_path_factory.mktemp("servers"))
 
 
 @pytest.fixture(scope="session")

@@ -101,7 +101,8 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="bastion-e2e-"))
+        self.workdir = Path(workdir or tempfile.mkdtemp(
+            prefix="bastion-e2e-", dir=os.environ.get("BASTION_TEST_LOG_DIR")))
         # NOTE: short on purpose: ipc:// socket paths must fit in 107 bytes (sun_path), and
         # pytest's tmp_path plus bastion's socket names can exceed that.
         self.runtime_base = Path(tempfile.mkdtemp(prefix="bx-", dir="/tmp"))
