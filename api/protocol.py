@@ -239,7 +239,10 @@ def fit_to_context(params: SamplingParams, num_prompt_tokens: int, max_model_len
             f"{where}, {requested} in the completion). Please reduce the length of the {where} "
             "or completion.", "max_tokens", "context_length_exceeded")
     room = max_model_len - num_prompt_tokens
-    max_tokens = requested if requested is not None else min(default or room, room)
+    if requested is not None:
+        max_tokens = requested
+    else:
+        max_tokens = room if default is None else min(default, room)
     try:
         return msgspec.structs.replace(params, max_tokens=max_tokens)  # re-verifies
     except InvalidParam as exc:

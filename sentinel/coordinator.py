@@ -141,9 +141,9 @@ class Coordinator:
                                                                  instruction=instruction)):
                 return f"sentinel {rank} is unreachable"
         if kind == "pause":
-            ok, info = self.sentinel.prepare_local(instruction, epoch)
+            local_ok, local_info = self.sentinel.prepare_local(instruction, epoch)
         else:
-            ok, info = self.sentinel.recover_local(epoch)
+            local_ok, local_info = self.sentinel.recover_local(epoch)
         reply_kind = "paused" if kind == "pause" else "recovered"
         deadline = time.monotonic() + self.ft.ft_recovery_timeout_s
         replies = self.replies.setdefault((reply_kind, epoch), {})
@@ -155,8 +155,8 @@ class Coordinator:
             self.sentinel.pump(0.05)
         self.replies.pop((reply_kind, epoch), None)
         self.failures = {r: info for r, (ok, info) in replies.items() if not ok}
-        if not ok:
-            self.failures[0] = info
+        if not local_ok:
+            self.failures[0] = local_info
         failed = [f"engine {r}: {info}" for r, info in sorted(self.failures.items())]
         if missing:
             failed.append(f"no {reply_kind} reply from sentinel(s) {missing} at epoch {epoch}")
