@@ -26,11 +26,28 @@ SMALL_SERVER_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len",
                      "--kv-cache-memory-bytes", "268435456")
 
 
+# Port plans of DP servers (base .. base + 134, procs/distributed.py), below Linux's ephemeral
+# range (32768-60999): a plan inside it collides now and then with the local port of some
+# connection, and a recovery attempt then fails on EADDRINUSE. Handed out in turn from a random
+# start, so two servers of one test session (a module's server lives on while later tests of the
+# module start their own) never share a plan.
+_DP_BASES = list(range(20000, 32000, 150))
+_dp_next = random.randrange(len(_DP_BASES))
+
+
 def dp_base_port() -> int:
-    """A base for a DP server's port plan (base .. base + 134, procs/distributed.py), below
-    Linux's ephemeral range (32768-60999): a plan inside it collides now and then with the local
-    port of some connection, and a recovery attempt then fails on EADDRINUSE."""
-    return random.randrange(20000, 32000, 150)
+    """The next base port whose own port is free (another program may hold one)."""
+    global _dp_next
+    for _ in range(len(_DP_BASES)):
+        base = _DP_BASES[_dp_next % len(_DP_BASES)]
+        _dp_next += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", base))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no free DP base port in 20000-32000")
 
 
 def free_port() -> int:
@@ -110,7 +127,7 @@ class ServerProcess:
         # NOTE: the DP rendezvous port is fixed by default (29550); two servers on one host
         # (this module's and the SIGKILL test's, or another suite's) would collide on it.
         cmd = [sys.executable, "-m", "bastion.procs.cli", "serve", "--port", str(self.port),
-               "--data-parallel-rpc-port", str(free_port()), *extra_args]
+               "--data-parallel-rpc-port", str(dp_base_port()), *extra_args]
         if api_key is not None:
             cmd += ["--api-key", api_key]
         env = {**os.environ, **(env or {}), "XDG_RUNTIME_DIR": str(self.runtime_base)}

@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.request
 
-from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, descendants, free_port
+from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, descendants, dp_base_port, free_port
 
 STREAM_BODY = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "prompt": "Once upon a time",
                "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -114,7 +114,7 @@ def test_watchdog_stops_while_an_engine_is_hung(tmp_path):
     sock.bind(path)
     proc, port, log = start_server(path, "--enable-fault-injection", "--no-ft-auto-recovery",
                                    "--ft-hang-timeout-s", "3",
-                                   "--data-parallel-rpc-port", str(free_port()),
+                                   "--data-parallel-rpc-port", str(dp_base_port()),
                                    watchdog_usec=1_000_000)
     try:
         receive(sock, "READY=1", 180)
@@ -152,7 +152,7 @@ def test_watchdog_stops_while_an_engine_is_hung(tmp_path):
 def test_unrecoverable_engine_death_exits_non_zero():
     server = ServerProcess((*SMALL_SERVER_ARGS, "--ft-max-attempts", "1",
                             "--ft-recovery-timeout-s", "0.5",
-                            "--data-parallel-rpc-port", str(free_port())))
+                            "--data-parallel-rpc-port", str(dp_base_port())))
     try:
         server.wait_healthy(180)
         engine = next(p for p in descendants(server.pid)
