@@ -8,10 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, descendants, dp_base_port, free_port
 
@@ -19,19 +19,20 @@ STREAM_BODY = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "prompt": "Once upon 
                "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-def start_server(notify_path: str, *extra: str, watchdog_usec: int | None = None):
+def start_server(folder: Path, notify_path: str, *extra: str, watchdog_usec: int | None = None):
+    """``bastion serve`` under systemd's environment; its log and runtime dir live in ``folder``."""
     port = free_port()
-    env = {**os.environ, "NOTIFY_SOCKET": notify_path,
-           "XDG_RUNTIME_DIR": tempfile.mkdtemp(prefix="bastion-daemon-")}
+    runtime_dir = folder / "run"
+    runtime_dir.mkdir()
+    env = {**os.environ, "NOTIFY_SOCKET": notify_path, "XDG_RUNTIME_DIR": str(runtime_dir)}
     if watchdog_usec is not None:
         env["WATCHDOG_USEC"] = str(watchdog_usec)
-    log = tempfile.NamedTemporaryFile(prefix="bastion-daemon-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "bastion.procs.cli", "serve", "--port",
-                             str(port), *SMALL_SERVER_ARGS, *extra], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    if watchdog_usec is not None:
-        env["WATCHDOG_PID"] = str(proc.pid)
-    return proc, port, log.name
+    log = folder / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "bastion.procs.cli", "serve", "--port",
+                                 str(port), *SMALL_SERVER_ARGS, *extra], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return proc, port, log
 
 
 def receive(sock: socket.socket, until: str, timeout_s: float) -> list[str]:
@@ -50,7 +51,8 @@ def receive(sock: socket.socket, until: str, timeout_s: float) -> list[str]:
     raise AssertionError(f"never received {until!r}; got {got}")
 
 
-def stream(port: int, out: list, key: int) -> None:
+def stream(port: int, out: list, key: int, started: threading.Semaphore) -> None:
+    """Stream ``STREAM_BODY``; release ``started`` at the first token."""
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
                                  json.dumps(STREAM_BODY).encode(),
                                  {"Content-Type": "application/json"})
@@ -62,6 +64,8 @@ def stream(port: int, out: list, key: int) -> None:
                 event = json.loads(line[6:])
                 if event.get("choices"):
                     text.append(event["choices"][0]["text"])
+                    if len(text) == 1:
+                        started.release()
             elif line == "data: [DONE]":
                 text.append("[DONE]")
     out[key] = "".join(text)
@@ -71,17 +75,21 @@ def test_notify_order_drain_on_sigterm_and_exit_zero(tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
-    proc, port, log = start_server(path, "--drain-timeout", "120", watchdog_usec=2_000_000)
+    proc, port, log = start_server(tmp_path, path, "--drain-timeout", "120",
+                                   watchdog_usec=2_000_000)
     try:
         before_ready = receive(sock, "READY=1", 180)
         assert "STATUS=loading" in before_ready
         after = receive(sock, "WATCHDOG=1", 10)  # pings every WATCHDOG_USEC / 2
         assert "STATUS=serving" in before_ready + after
         results: list = [None] * 3
-        threads = [threading.Thread(target=stream, args=(port, results, i)) for i in range(3)]
+        started = threading.Semaphore(0)
+        threads = [threading.Thread(target=stream, args=(port, results, i, started))
+                   for i in range(3)]
         for t in threads:
             t.start()
-        time.sleep(2.0)  # the streams are running
+        for _ in threads:  # every stream has its first token and 47 to go
+            assert started.acquire(timeout=120)
         proc.send_signal(signal.SIGTERM)
         draining = receive(sock, "STATUS=draining", 10)
         assert draining
@@ -101,7 +109,7 @@ def test_notify_order_drain_on_sigterm_and_exit_zero(tmp_path):
         assert all(r is not None and r.endswith("[DONE]") and len(r) > 20 for r in results)
         stopping = receive(sock, "STOPPING=1", 60)
         assert stopping
-        assert proc.wait(60) == 0, open(log).read()[-3000:]
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -112,10 +120,10 @@ def test_watchdog_stops_while_an_engine_is_hung(tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
-    proc, port, log = start_server(path, "--enable-fault-injection", "--no-ft-auto-recovery",
-                                   "--ft-hang-timeout-s", "3",
-                                   "--data-parallel-rpc-port", str(dp_base_port()),
-                                   watchdog_usec=1_000_000)
+    proc, port, _ = start_server(tmp_path, path, "--enable-fault-injection",
+                                 "--no-ft-auto-recovery", "--ft-hang-timeout-s", "3",
+                                 "--data-parallel-rpc-port", str(dp_base_port()),
+                                 watchdog_usec=1_000_000)
     try:
         receive(sock, "READY=1", 180)
         receive(sock, "WATCHDOG=1", 5)
