@@ -124,15 +124,19 @@ class ServerProcess:
         # pytest's tmp_path plus bastion's socket names can exceed that.
         self.runtime_base = Path(tempfile.mkdtemp(prefix="bx-", dir="/tmp"))
         self.log_path = self.workdir / "server.log"
+        cmd = [sys.executable, "-m", "bastion.procs.cli", "serve", "--port", str(self.port),
+               *extra_args]
         # NOTE: the DP rendezvous port is fixed by default (29550); two servers on one host
         # (this module's and the SIGKILL test's, or another suite's) would collide on it.
-        cmd = [sys.executable, "-m", "bastion.procs.cli", "serve", "--port", str(self.port),
-               "--data-parallel-rpc-port", str(dp_base_port()), *extra_args]
+        if "--data-parallel-rpc-port" not in extra_args:
+            cmd += ["--data-parallel-rpc-port", str(dp_base_port())]
         if api_key is not None:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, **(env or {}), "XDG_RUNTIME_DIR": str(self.runtime_base)}
-        env.pop("NOTIFY_SOCKET", None)
-        env.pop("BASTION_API_KEY", None)
+        # The test's own systemd and key settings must not leak in; the caller's ``env`` may
+        # set them (the daemon tests give a NOTIFY_SOCKET).
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in ("NOTIFY_SOCKET", "BASTION_API_KEY")}
+        env = {**inherited, **(env or {}), "XDG_RUNTIME_DIR": str(self.runtime_base)}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (open for the server's life)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL)

@@ -6,33 +6,20 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, descendants, dp_base_port, free_port
+from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, descendants, process_title
 
 STREAM_BODY = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "prompt": "Once upon a time",
                "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-def start_server(folder: Path, notify_path: str, *extra: str, watchdog_usec: int | None = None):
-    """``bastion serve`` under systemd's environment; its log and runtime dir live in ``folder``."""
-    port = free_port()
-    runtime_dir = folder / "run"
-    runtime_dir.mkdir()
-    env = {**os.environ, "NOTIFY_SOCKET": notify_path, "XDG_RUNTIME_DIR": str(runtime_dir)}
-    if watchdog_usec is not None:
-        env["WATCHDOG_USEC"] = str(watchdog_usec)
-    log = folder / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "bastion.procs.cli", "serve", "--port",
-                                 str(port), *SMALL_SERVER_ARGS, *extra], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return proc, port, log
+def start_server(notify_path: str, *extra: str, watchdog_usec: int) -> ServerProcess:
+    """``bastion serve`` as systemd starts it: a notify socket and a watchdog interval."""
+    return ServerProcess((*SMALL_SERVER_ARGS, *extra),
+                         env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": str(watchdog_usec)})
 
 
 def receive(sock: socket.socket, until: str, timeout_s: float) -> list[str]:
@@ -75,8 +62,7 @@ def test_notify_order_drain_on_sigterm_and_exit_zero(tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
-    proc, port, log = start_server(tmp_path, path, "--drain-timeout", "120",
-                                   watchdog_usec=2_000_000)
+    server = start_server(path, "--drain-timeout", "120", watchdog_usec=2_000_000)
     try:
         before_ready = receive(sock, "READY=1", 180)
         assert "STATUS=loading" in before_ready
@@ -84,17 +70,17 @@ def test_notify_order_drain_on_sigterm_and_exit_zero(tmp_path):
         assert "STATUS=serving" in before_ready + after
         results: list = [None] * 3
         started = threading.Semaphore(0)
-        threads = [threading.Thread(target=stream, args=(port, results, i, started))
+        threads = [threading.Thread(target=stream, args=(server.port, results, i, started))
                    for i in range(3)]
         for t in threads:
             t.start()
         for _ in threads:  # every stream has its first token and 47 to go
             assert started.acquire(timeout=120)
-        proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
         draining = receive(sock, "STATUS=draining", 10)
         assert draining
         # New requests are refused while the old ones finish.
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+        req = urllib.request.Request(f"{server.base_url}/v1/completions",
                                      json.dumps({**STREAM_BODY, "stream": False}).encode(),
                                      {"Content-Type": "application/json"})
         try:
@@ -109,10 +95,9 @@ def test_notify_order_drain_on_sigterm_and_exit_zero(tmp_path):
         assert all(r is not None and r.endswith("[DONE]") and len(r) > 20 for r in results)
         stopping = receive(sock, "STOPPING=1", 60)
         assert stopping
-        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        assert server.proc.wait(60) == 0, server.log_tail(3000)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        server.kill_tree()
         sock.close()
 
 
@@ -120,14 +105,12 @@ def test_watchdog_stops_while_an_engine_is_hung(tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
-    proc, port, _ = start_server(tmp_path, path, "--enable-fault-injection",
-                                 "--no-ft-auto-recovery", "--ft-hang-timeout-s", "3",
-                                 "--data-parallel-rpc-port", str(dp_base_port()),
-                                 watchdog_usec=1_000_000)
+    server = start_server(path, "--enable-fault-injection", "--no-ft-auto-recovery",
+                          "--ft-hang-timeout-s", "3", watchdog_usec=1_000_000)
     try:
         receive(sock, "READY=1", 180)
         receive(sock, "WATCHDOG=1", 5)
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/fault_tolerance/inject",
+        req = urllib.request.Request(f"{server.base_url}/fault_tolerance/inject",
                                      json.dumps({"kind": "hang", "engine": 0}).encode(),
                                      {"Content-Type": "application/json"})
         assert urllib.request.urlopen(req, timeout=10).status == 200
@@ -147,24 +130,17 @@ def test_watchdog_stops_while_an_engine_is_hung(tmp_path):
                 pass
         assert not any("WATCHDOG=1" in p for p in pings), pings
     finally:
-        proc.kill()
-        proc.wait()
-        for pid in descendants(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        server.kill_tree()
         sock.close()
 
 
 def test_unrecoverable_engine_death_exits_non_zero():
     server = ServerProcess((*SMALL_SERVER_ARGS, "--ft-max-attempts", "1",
-                            "--ft-recovery-timeout-s", "0.5",
-                            "--data-parallel-rpc-port", str(dp_base_port())))
+                            "--ft-recovery-timeout-s", "0.5"))
     try:
         server.wait_healthy(180)
         engine = next(p for p in descendants(server.pid)
-                      if open(f"/proc/{p}/cmdline").read().startswith("bastion::engine"))
+                      if (process_title(p) or "").startswith("bastion::engine"))
         os.kill(engine, signal.SIGKILL)
         assert server.proc.wait(120) != 0
         assert server.runtime_dirs() == []

@@ -200,14 +200,16 @@ def test_recovery_moves_past_a_taken_port(auto_server, reference):
     at once on engine 0 (EADDRINUSE); engine 1, connected to that socket, gives up within the
     distributed timeout (8 s) rather than the start-up rendezvous time (300 s); the next
     attempt, at the next epoch's port, recovers the group."""
-    from bastion.procs.distributed import PORT_EPOCHS
+    from bastion.core.config import build_engine_config
+    from bastion.procs.distributed import engine_group_port
 
     args = auto_server.proc.args
-    base = int(args[len(args) - 1 - args[::-1].index("--data-parallel-rpc-port") + 1])
+    base = int(args[args.index("--data-parallel-rpc-port") + 1])
+    parallel = build_engine_config(data_parallel_size=2, data_parallel_rpc_port=base).parallel
     epoch = max(e["epoch"] for e in status(auto_server))
     blocker = socket.socket()
     blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    blocker.bind(("", base + 8 + 2 * ((epoch + 1) % PORT_EPOCHS)))
+    blocker.bind(("", engine_group_port(parallel, epoch + 1)))
     blocker.listen()
     try:
         inject(auto_server, "raise", 1)
