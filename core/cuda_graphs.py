@@ -193,11 +193,14 @@ class CUDAGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.2f s",
                     len(self.graphs), self.capture_sizes[0], n, time.perf_counter() - start)
 
-    def run(self, inputs: DecodeInputs, prev: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, inputs: DecodeInputs, prev: torch.Tensor | None = None,
+            min_size: int = 0) -> torch.Tensor:
         """Hidden states [b, H] of one decode step (graph replay when captured). ``prev``:
-        the previous step's sampled tokens, which rows with ``pending_rows >= 0`` read."""
+        the previous step's sampled tokens, which rows with ``pending_rows >= 0`` read.
+        ``min_size``: run at least this bucket (a coupled DP group's agreed size); ``b`` may
+        then be 0."""
         b = len(inputs.input_ids)
-        size = self.bucket(b)
+        size = self.bucket(max(b, min_size))
         if size is None or inputs.block_tables.shape[1] > self.max_blocks_per_seq:
             raise ValueError(f"decode batch of {b} sequences x {inputs.block_tables.shape[1]} "
                              f"blocks exceeds the captured {self.max_num_seqs} x "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from bastion.core.config import ConfigError, EngineConfig
 from bastion.core.executor import Executor, StepResult
@@ -69,6 +70,10 @@ class EngineCore:
         # NOTE: a coupled group's engines must run the same number of forwards (their expert
         # collectives pair up), which a step queue that drains at different times would break.
         self.async_scheduling = config.scheduler.async_scheduling and not self.is_coupled
+        # A coupled group's agreement for one round: (this engine's tokens, decode-only) ->
+        # (the most tokens of any engine, every engine decode-only). Set by the engine process
+        # (its DP group's all-reduce); tests may set their own.
+        self.dp_sync: Callable[[int, bool], tuple[int, bool]] | None = None
         # Steps launched and not yet folded into the scheduler, oldest first (at most two).
         self.inflight: deque[tuple[SchedulerOutput, StepResult]] = deque()
 
@@ -91,6 +96,8 @@ class EngineCore:
         """
         if self.async_scheduling:
             outputs = self._step_async()
+        elif self.is_coupled:
+            outputs = self._step_coupled()
         elif not self.scheduler.has_unfinished_requests:
             outputs = self.scheduler.take_rejected()
         else:
@@ -101,11 +108,40 @@ class EngineCore:
                                  time.time())
 
     def _schedule(self) -> SchedulerOutput:
-        sched = self.scheduler.schedule()
-        # NOTE: in a coupled (expert-parallel) DP group every engine must run a forward each
-        # step; one that scheduled nothing (pool full) runs a dummy one.
-        sched.is_dummy = self.is_coupled and not sched.num_scheduled_tokens
-        return sched
+        return self.scheduler.schedule()
+
+    def idle_round(self) -> bool:
+        """A coupled engine's round without requests: agree with the others and, if any has
+        tokens, run padding rows through the model (their expert collectives need ours).
+        Returns whether a forward ran."""
+        num_rows, all_decode = self._dp_agree(0, True)
+        if num_rows:
+            self.executor.execute_dummy(num_rows, all_decode)
+        return num_rows > 0
+
+    def _step_coupled(self) -> list[EngineCoreOutput]:
+        """One round of a coupled (expert-parallel) DP group.
+
+        NOTE: every engine of the group calls ``_dp_agree`` exactly once per round, work or
+        not (``idle_round``), and then all run a forward of the same padded size or none.
+        """
+        if not self.scheduler.has_unfinished_requests:
+            self.idle_round()
+            return self.scheduler.take_rejected()
+        sched = self._schedule()
+        num_tokens = sched.total_num_scheduled_tokens
+        num_rows, all_decode = self._dp_agree(num_tokens, _is_decode_only(sched))
+        sched.num_padded_tokens, sched.dp_all_decode = num_rows, all_decode
+        # Scheduled nothing (pool full) while another engine has tokens: padding rows only.
+        sched.is_dummy = num_rows > 0 and not num_tokens
+        result = self.executor.execute_model_async(sched)
+        return self.scheduler.update_from_output(sched, result.output())
+
+    def _dp_agree(self, num_tokens: int, is_decode_only: bool) -> tuple[int, bool]:
+        if self.dp_sync is None:
+            raise RuntimeError("a coupled DP engine steps only with its group's agreement "
+                               "(dp_sync) installed")
+        return self.dp_sync(num_tokens, is_decode_only)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         launched = False
@@ -129,3 +165,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _is_decode_only(sched: SchedulerOutput) -> bool:
+    return sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens)

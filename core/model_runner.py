@@ -147,10 +147,7 @@ class ModelRunner:
         # Built (and captured) with the KV cache on a GPU unless the model config asks for
         # eager mode; decode-only batches that fit a bucket replay a graph.
         self.graph_runner: CUDAGraphRunner | None = None
-        # NOTE: expert parallelism exchanges per-rank token counts through the host, which a
-        # graph cannot hold; those runs stay eager.
-        self.use_cuda_graphs = (self.device.type == "cuda" and not config.model.enforce_eager
-                                and not config.parallel.enable_expert_parallel)
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
         # Steps whose tokens this runner has not folded into its request state yet, oldest
         # first; all but the newest are folded in at the start of each step.
         self.inflight: deque[StepHandle] = deque()
@@ -224,8 +221,17 @@ class ModelRunner:
         """Allocate the KV cache, then (on a GPU) capture the decode CUDA graphs over it."""
         self._allocate_kv_cache(num_blocks)
         if self.use_cuda_graphs:
-            self.graph_runner = self.build_graph_runner()
-            self.graph_runner.capture()
+            runner = self.build_graph_runner()
+            try:
+                runner.capture()
+            except Exception as exc:  # noqa: BLE001 - any capture failure: run eager instead
+                # NOTE: a model whose forward cannot be captured (a host sync somewhere) must
+                # still serve; every rank of a group fails alike, so they stay in step.
+                torch.cuda.synchronize(self.device)
+                logger.warning("CUDA graph capture failed (%s: %s); decode runs eager",
+                               type(exc).__name__, exc)
+                return
+            self.graph_runner = runner
 
     def build_graph_runner(self) -> CUDAGraphRunner:
         sizes = default_capture_sizes(self.config.scheduler.max_num_seqs)
@@ -289,17 +295,18 @@ class ModelRunner:
         """
         self._fold_tokens(keep=1)
         self._apply_delta(sched)
+        num_rows = self._padded_rows(sched)
         if not sched.num_scheduled_tokens:
             if sched.is_dummy:
-                self._dummy_run()
+                self._dummy_run(num_rows, self._can_replay(sched, num_rows))
             return StepHandle(sched.step_id)
         prev = self.inflight[-1].sampled if self.inflight else None
-        decode = self._prepare_decode(sched) if self.graph_runner is not None else None
+        decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
         if decode is not None:
             states, inputs = decode
-            logits = self.model.compute_logits(self.graph_runner.run(inputs, prev))
+            logits = self.model.compute_logits(self.graph_runner.run(inputs, prev, num_rows))
         else:
-            batch = self._prepare_inputs(sched, prev)
+            batch = self._prepare_inputs(sched, prev, num_rows)
             with set_forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
             if not batch.sample_ids:
@@ -316,19 +323,43 @@ class ModelRunner:
         self.inflight.append(handle)
         return handle
 
-    def _dummy_run(self) -> None:
-        """One token through the model, stored nowhere (slot -1): an idle DP rank's share of
-        the MoE layers' expert-parallel collectives while other ranks have work."""
+    def _padded_rows(self, sched: SchedulerOutput) -> int:
+        """Rows this step must run so that every engine of a coupled DP group runs the same
+        number (0: no padding). A group that is decode-only everywhere pads to the graph
+        bucket of the largest batch, which every engine computes alike."""
+        rows = sched.num_padded_tokens
+        if rows and sched.dp_all_decode and self.graph_runner is not None:
+            return self.graph_runner.bucket(rows) or rows
+        return rows
+
+    def _can_replay(self, sched: SchedulerOutput, num_rows: int) -> bool:
+        if self.graph_runner is None:
+            return False
+        if not sched.num_padded_tokens:
+            return True
+        return sched.dp_all_decode and self.graph_runner.bucket(num_rows) == num_rows
+
+    def _dummy_run(self, num_rows: int = 1, replay: bool = False) -> None:
+        """Padding rows through the model, stored nowhere (slot -1): an idle DP rank's share of
+        the MoE layers' expert-parallel collectives while other ranks have work. One row is a
+        1-token sequence, the rest belong to none."""
+        num_rows = max(num_rows, 1)
+        if replay:
+            empty = np.zeros(0, dtype=np.int64)
+            self.graph_runner.run(DecodeInputs(empty, empty, empty,
+                                               np.zeros((0, 1), dtype=np.int32)),
+                                  min_size=num_rows)
+            return
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.full((1,), -1, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((num_rows,), -1, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
             seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
             block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
             max_query_len=1, max_seq_len=1, query_start_loc_cpu=[0, 1], seq_lens_cpu=[1])
         with set_forward_context(meta):
-            self.model(torch.zeros(1, dtype=torch.long, device=dev),
-                       torch.zeros(1, dtype=torch.long, device=dev))
+            self.model(torch.zeros(num_rows, dtype=torch.long, device=dev),
+                       torch.zeros(num_rows, dtype=torch.long, device=dev))
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
         if all(s.is_plain_greedy for s in states):
@@ -369,10 +400,12 @@ class ModelRunner:
         slots = _slot_mapping(tables, np.arange(num_seqs), positions, bs)
         return states, DecodeInputs(input_ids, positions, slots, tables, pending_rows)
 
-    def _prepare_inputs(self, sched: SchedulerOutput, prev: torch.Tensor | None) -> _Batch:
+    def _prepare_inputs(self, sched: SchedulerOutput, prev: torch.Tensor | None,
+                        num_rows: int = 0) -> _Batch:
         """The flat batch of any step (prefill chunks and decodes mixed), built with numpy:
         only the token ids are gathered per request; positions, slots and the block table
-        come from array operations, and everything goes over in two copies."""
+        come from array operations, and everything goes over in two copies. Tokens past the
+        last sequence's (up to ``num_rows``) are padding: id 0, position 0, slot -1."""
         request_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[rid] for rid in request_ids]
         b = len(states)
@@ -401,10 +434,15 @@ class ModelRunner:
         logits_indices = qsl[1:][done] - 1
         sample_ids = [rid for rid, d in zip(request_ids, done.tolist()) if d]
 
-        host = self._staging_for(total, b, width)
+        num_pad = max(num_rows - total, 0)
+        if num_pad:
+            input_ids.extend([0] * num_pad)
+            positions = np.concatenate([positions, np.zeros(num_pad, dtype=np.int64)])
+            slots = np.concatenate([slots, np.full(num_pad, -1, dtype=np.int64)])
+        host = self._staging_for(total + num_pad, b, width)
         ids, pos, slot, logit_rows, at, rows = _pack(host.i64.numpy(), (
-            np.fromiter(input_ids, np.int64, total), positions, slots, logits_indices,
-            pending_at, pending_rows), align=2)
+            np.fromiter(input_ids, np.int64, total + num_pad), positions, slots,
+            logits_indices, pending_at, pending_rows), align=2)
         qsl_span, lens_span, table_span = _pack(host.i32.numpy(), (qsl, ends, table.reshape(-1)),
                                                 align=4)
         dev64 = self._copy_staged(host.i64[:rows.stop])

@@ -228,7 +228,13 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     total_num_scheduled_tokens: int = 0
     finished_request_ids: list[str] = []  # forget these (finished, aborted or preempted)
     step_id: int = 0
-    is_dummy: bool = False  # MoE lockstep: an idle DP rank runs one dummy token (EP collectives)
+    is_dummy: bool = False  # MoE lockstep: an idle DP rank runs padding rows (EP collectives)
+    # MoE lockstep (expert parallel over DP): every engine of the group runs this many token
+    # rows this step, its own tokens then padding, so the expert collectives have one static
+    # shape; 0 outside a coupled group. ``dp_all_decode``: every engine's batch is decode-only,
+    # so each pads to the same CUDA-graph bucket and replays it.
+    num_padded_tokens: int = 0
+    dp_all_decode: bool = False
 
 
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):

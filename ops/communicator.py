@@ -87,34 +87,6 @@ class GroupCoordinator:
         self._pg().broadcast([x], opts).wait()
         return x
 
-    def all_gather_sizes(self, num_rows: int, device: torch.device) -> list[int]:
-        """Every rank's row count (ranks may hold different numbers of tokens)."""
-        if self.world_size == 1:
-            return [num_rows]
-        sizes = self.all_gather(torch.tensor([num_rows], device=device), dim=0)
-        return sizes.tolist()
-
-    def all_gatherv(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Concatenate rows of every rank along dim 0 where rank r holds ``sizes[r]`` rows."""
-        if self.world_size == 1:
-            return x
-        width = max(max(sizes), 1)
-        padded = x.new_zeros((width, *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        gathered = self.all_gather(padded, dim=0).view(self.world_size, width, *x.shape[1:])
-        return torch.cat([gathered[r, :n] for r, n in enumerate(sizes)], dim=0)
-
-    def reduce_scatterv(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Inverse of ``all_gatherv``: sum over ranks, keep this rank's ``sizes[rank]`` rows."""
-        if self.world_size == 1:
-            return x
-        width = max(max(sizes), 1)
-        padded = x.new_zeros((self.world_size, width, *x.shape[1:]))
-        for r, part in enumerate(torch.split(x, sizes, dim=0)):
-            padded[r, : sizes[r]] = part
-        out = self.reduce_scatter(padded.view(-1, *x.shape[1:]), dim=0)
-        return out[: sizes[self.rank]]
-
 
 def _as_coordinator(group: GroupCoordinator | dist.ProcessGroup | None) -> GroupCoordinator:
     if group is None:

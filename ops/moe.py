@@ -1,4 +1,9 @@
-"""Mixture-of-experts feed-forward over routed tokens."""
+"""Mixture-of-experts: routing and the feed-forward over routed tokens.
+
+On CUDA both run as Triton kernels with no device-to-host sync (``ops/triton/moe_routing.py``,
+``moe_align.py``, ``fused_moe.py``), so a MoE forward can be captured in a CUDA graph; the
+torch references below serve the CPU and the tests.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +19,38 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     ``w13`` [E_local, 2I, H] holds gate (first I rows) then up; ``w2`` [E_local, H, I].
     ``topk_ids`` are global expert ids; only experts in ``[expert_offset, expert_offset + E_local)``
-    live here, the others contribute zero (expert parallelism sums partial results across ranks).
+    live here, the others (and negative ids: padding rows) contribute zero (expert parallelism
+    sums partial results across ranks).
     """
     if use_triton(hidden, w13):
         launcher = triton_launcher("fused_moe", "fused_moe_triton")
         if launcher is not None:
             return launcher(hidden, w13, w2, topk_weights, topk_ids, expert_offset)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, expert_offset)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   num_real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, keep the top k (weights float32 [T, k], ids [T, k]),
+    optionally renormalised to sum to 1. Rows at or past the device scalar ``num_real``
+    (padding) get id -1: no expert."""
+    if use_triton(router_logits):
+        launcher = triton_launcher("moe_routing", "moe_routing_triton")
+        if launcher is not None:
+            return launcher(router_logits, top_k, renormalize, num_real)
+    return select_experts_ref(router_logits, top_k, renormalize, num_real)
+
+
+def select_experts_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                       num_real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    topk_weights, topk_ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if num_real is not None:
+        rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
+        topk_ids = torch.where((rows < num_real)[:, None], topk_ids, -1)
+    return topk_weights, topk_ids
 
 
 def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

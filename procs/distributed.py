@@ -140,10 +140,12 @@ class StatelessGroup:
             raise RuntimeError(f"{what} on destroyed group {self.name}")
         return self.pg
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or ``op="max"``: the maximum) over ranks, in place."""
         if self.world_size > 1:
-            self._wait(self._live_pg("all_reduce").allreduce([x]), "all_reduce")
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            self._wait(self._live_pg("all_reduce").allreduce([x], opts), "all_reduce")
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -61,6 +61,10 @@ class EngineProc:
         self.dp_group = None  # the engines' CPU group, when the DP group is coupled (MoE + EP)
         self.injected: str | None = None
         self.is_coupled = core.is_coupled  # MoE + EP over DP: the engines step together
+        if self.is_coupled:
+            # The group is re-created at each epoch; the core asks whichever is current.
+            core.dp_sync = lambda num_tokens, is_decode: self.dp_group.agree(num_tokens,
+                                                                             is_decode)
         threading.Thread(target=self._input_thread, args=(ctx, addresses["input"]),
                          daemon=True, name="engine-input").start()
         threading.Thread(target=self._output_thread, args=(ctx, addresses["output"]),
@@ -134,16 +138,12 @@ class EngineProc:
     def _step(self) -> None:
         if self.injected is not None:
             self._run_injected_fault()
-        if self.is_coupled:
+        if self.is_coupled and not self._has_work:
             with self.health.busy():
-                any_work = self.dp_group.any_true(self._has_work)
-            if not any_work:
-                return
-            if not self._has_work:
-                with self.health.busy():
-                    self.executor.execute_dummy()
+                ran = self.core.idle_round()
+            if ran:
                 self.health.num_steps += 1
-                return
+            return
         if not self._has_work:
             return
         with self.health.busy():
@@ -278,10 +278,12 @@ class EngineGroup:
             rendezvous_timeout_s=(recovery_rendezvous_timeout_s(par) if recovering
                                   else RENDEZVOUS_TIMEOUT_S))
 
-    def any_true(self, flag: bool) -> bool:
-        """Whether any engine has unfinished work (one all-reduce)."""
-        x = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        return bool(self.group.all_reduce(x).item())
+    def agree(self, num_tokens: int, is_decode_only: bool) -> tuple[int, bool]:
+        """One round's padded size: the most tokens any engine scheduled, and whether every
+        engine's batch is decode-only (one all-reduce of the maxima)."""
+        x = torch.tensor([num_tokens, 0 if is_decode_only else 1], dtype=torch.int64)
+        most, any_not_decode = self.group.all_reduce(x, op="max").tolist()
+        return int(most), not any_not_decode
 
     def destroy(self) -> None:
         self.group.destroy()

@@ -184,9 +184,12 @@ class MultiprocExecutor:
         """Drop the workers' groups (e.g. while a peer engine restarts)."""
         self.call("destroy_distributed", timeout_s=30.0)
 
-    def execute_dummy(self) -> None:
-        """A step with no requests, so the expert-parallel collectives of idle ranks match."""
-        self.execute_model_async(SchedulerOutput(step_id=-1, is_dummy=True)).output()
+    def execute_dummy(self, num_rows: int = 1, all_decode: bool = False) -> None:
+        """A step with no requests, ``num_rows`` rows of padding, so the expert-parallel
+        collectives of idle ranks match the others' (``all_decode``: as a graph replay)."""
+        self.execute_model_async(SchedulerOutput(step_id=-1, is_dummy=True,
+                                                 num_padded_tokens=num_rows,
+                                                 dp_all_decode=all_decode)).output()
 
     def inject_fault(self, kind: str, rank: int = 0) -> None:
         frames = encode(WorkerCall(next(self._call_ids), "inject_fault", [kind]))

@@ -21,7 +21,9 @@
 # workload's bandwidth floor, measured in the same run, and the most DP=2 can gain by it), dp
 # (two GPUs, one process each, every second prompt; dpwhole: each the whole workload), hf (a
 # slice of the workload through bastion and transformers' continuous batching, with the
-# ratio), latency (Llama-3.1-8B architecture, batch 8, 32 in / 128 out), serve (bench_serve.py at rate inf and two finite
+# ratio), latency (Llama-3.1-8B architecture, batch 8, 32 in / 128 out), moetune (the fused MoE
+# kernels' launch configs for Qwen3-30B-A3B, JSON to $OUT), moe (Qwen3-30B-A3B architecture:
+# offline throughput and batch-1/8 latency beside their floors), serve (bench_serve.py at rate inf and two finite
 # rates, 1000 prompts of 1024 in / 128 out, against the embedded model).
 #
 # Run from the repository root. Wheels for packages the machine lacks (msgspec, pyzmq, gguf,
@@ -165,6 +167,10 @@ for s in $STAGES; do
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf --torch-profile 1:12 \
       --profile-trace $OUT/prefill_trace.json && gzip -f $OUT/prefill_trace.json" ;;
+    moetune) stage moetune 420 'copy|tokens|^ *[0-9]|wrote|Error' -- \
+      $PY scripts/tune_moe.py --model configs/qwen3-30b-a3b --out "$OUT" ;;
+    moe) stage moe 400 'offline|latency|experts reached|Error|error' -- \
+      $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
     hf) stage hf 120 'workload|bastion|HF|ratio|Error' -- \

@@ -9,10 +9,12 @@ same processes, and a collective with a dead or hung peer raises within its time
 
 from __future__ import annotations
 
+import functools
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -165,11 +167,29 @@ def _start_dp_engines(path: str, dp_size: int, runtime_dir: str,
     return [f.result(timeout=240) for f in futures]
 
 
+class _ThreadAgreement:
+    """The coupled engines' per-round agreement between threads of this process (the engine
+    process does it with one all-reduce over its DP group): the most tokens, all decode."""
+
+    def __init__(self, num_engines: int) -> None:
+        self.barrier = threading.Barrier(num_engines)
+        self.votes: list[tuple[int, bool]] = [(0, True)] * num_engines
+
+    def agree(self, engine_id: int, num_tokens: int, is_decode: bool) -> tuple[int, bool]:
+        self.votes[engine_id] = (num_tokens, is_decode)
+        self.barrier.wait()
+        result = max(n for n, _ in self.votes), all(d for _, d in self.votes)
+        self.barrier.wait()  # nobody votes again before everyone has read this round
+        return result
+
+
 def _run_lockstep(cores: list[EngineCore], prompts: list[list[list[int]]]
                   ) -> tuple[dict[str, list[int]], list[int]]:
-    """Step every engine together; an engine without work runs a dummy step (as the engine
-    busy loop must while any DP rank has work)."""
+    """Step every engine together, each padding to the round's agreed row count; an engine
+    without work runs padding rows (as the engine busy loop must while any DP rank has work)."""
+    agreement = _ThreadAgreement(len(cores))
     for core, own in zip(cores, prompts):
+        core.dp_sync = functools.partial(agreement.agree, core.engine_id)
         for i, p in enumerate(own):
             core.add_request(EngineCoreRequest(f"{core.engine_id}-{i}", p, GREEDY))
     tokens: dict[str, list[int]] = defaultdict(list)
@@ -179,8 +199,7 @@ def _run_lockstep(cores: list[EngineCore], prompts: list[list[list[int]]]
         if core.has_unfinished_requests:
             for out in core.step().outputs:
                 tokens[out.request_id].extend(out.new_token_ids)
-        else:
-            core.executor.execute_dummy()
+        elif core.idle_round():
             num_dummy[core.engine_id] += 1
 
     with ThreadPoolExecutor(len(cores)) as pool:

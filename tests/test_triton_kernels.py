@@ -23,6 +23,8 @@ from bastion.core.forward_context import AttentionMetadata
 from bastion.ops.activation import silu_and_mul_ref
 from bastion.ops.attention import paged_attention_ref
 from bastion.ops.kv_store import store_kvcache_ref
+from bastion.ops.moe import fused_moe_ref, select_experts_ref
+from bastion.ops.moe_configs import default_moe_config
 from bastion.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from bastion.ops.rotary import apply_rotary_emb_ref
 
@@ -35,6 +37,9 @@ _KERNEL_MODULES = [
     "bastion.ops.triton.rotary",
     "bastion.ops.triton.silu_and_mul",
     "bastion.ops.triton.sample",
+    "bastion.ops.triton.moe_routing",
+    "bastion.ops.triton.moe_align",  # before fused_moe, which imports it
+    "bastion.ops.triton.fused_moe",
 ]
 
 
@@ -71,6 +76,9 @@ fused_add_rms_norm_triton = _K["fused_add_rms_norm"].fused_add_rms_norm_triton
 apply_rotary_emb_triton = _K["rotary"].apply_rotary_emb_triton
 silu_and_mul_triton = _K["silu_and_mul"].silu_and_mul_triton
 sample_tokens_triton = _K["sample"].sample_tokens_triton
+moe_routing_triton = _K["moe_routing"].moe_routing_triton
+moe_align_triton = _K["moe_align"].moe_align_triton
+fused_moe_triton = _K["fused_moe"].fused_moe_triton
 
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -584,6 +592,83 @@ def test_silu_and_mul_multiple_column_blocks() -> None:
 _DEV = torch.device("cuda") if HAS_CUDA else CPU
 
 
+@pytest.mark.parametrize("num_experts,top_k,renormalize", [(8, 2, True), (60, 1, False),
+                                                             (128, 8, True)])
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_moe_routing_matches_softmax_topk(num_experts: int, top_k: int, renormalize: bool,
+                                          num_tokens: int) -> None:
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(3))
+    weights, ids = moe_routing_triton(logits, top_k, renormalize)
+    ref_w, ref_ids = select_experts_ref(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align_groups_pairs_by_local_expert_padded_to_the_block(block_m: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    # 8 global experts, this rank holds 2..5; ids outside (and -1: padding rows) go nowhere.
+    ids = torch.randint(0, 8, (45, 2), generator=gen, dtype=torch.int32)
+    ids[40:] = -1
+    ids[ids == 3] = 2  # local expert 1 (global 3) gets no pair
+    sorted_ids, block_experts, num_sorted = moe_align_triton(ids, block_m, 4, expert_offset=2)
+    flat = ids.reshape(-1).tolist()
+    total = int(num_sorted.item())
+    assert total % block_m == 0 and total <= sorted_ids.numel()
+    at = 0
+    for local in range(4):
+        expected = sorted(p for p, e in enumerate(flat) if e == local + 2)
+        rows = -(-len(expected) // block_m) * block_m
+        span = sorted_ids[at:at + rows].tolist()
+        assert sorted(p for p in span if p != len(flat)) == expected
+        assert span.count(len(flat)) == rows - len(expected)  # the sentinel pads
+        assert block_experts[at // block_m:(at + rows) // block_m].tolist() == [local] * (
+            rows // block_m)
+        at += rows
+    assert at == total
+    assert set(block_experts[total // block_m:].tolist()) <= {-1}
+
+
+@pytest.mark.parametrize("num_experts,top_k,num_tokens", [
+    (4, 1, 1), (8, 2, 1), (8, 2, 70), (16, 8, 33), (8, 8, 5)])
+def test_fused_moe_matches_reference(num_experts: int, top_k: int, num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(num_experts * 100 + num_tokens)
+    hidden, inter = 48, 40  # not multiples of the K tile: the masked loop
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen),
+                                      top_k, True)
+    config = default_moe_config(num_tokens, top_k, num_experts)
+    config = {**config, "up": {**config["up"], "BLOCK_SIZE_K": 32},
+              "down": {**config["down"], "BLOCK_SIZE_K": 32}}
+    out = fused_moe_triton(x, w13, w2, weights, ids.int(), config=config)
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_fused_moe_expert_parallel_slices_and_padding_rows() -> None:
+    """Two ranks' halves of the experts sum to the whole; a rank none of whose experts a token
+    chose, and rows with id -1, add exactly zero."""
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, hidden, inter, num_experts = 20, 32, 32, 8
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen), 2,
+                                      True)
+    ids = ids.int()
+    ids[:5] = torch.tensor([0, 1], dtype=torch.int32)  # only rank 0's experts
+    ids[-3:] = -1  # padding rows
+    low = fused_moe_triton(x, w13[:4], w2[:4], weights, ids, expert_offset=0)
+    high = fused_moe_triton(x, w13[4:], w2[4:], weights, ids, expert_offset=4)
+    assert torch.count_nonzero(high[:5]) == 0
+    assert torch.count_nonzero(low[-3:]) == 0 and torch.count_nonzero(high[-3:]) == 0
+    torch.testing.assert_close(low + high, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("num_splits", [None, 1])
@@ -593,6 +678,41 @@ def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
         int(c) for c in torch.randint(1, 2048, (64,), generator=torch.Generator().manual_seed(0))
     ]
     _check_attention(q_lens, ctx_lens, 16, 8, 128, 16, num_splits, torch.bfloat16, _DEV, atol=2e-2)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 8, 256, 3000])
+def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(num_tokens: int) -> None:
+    """Qwen3-30B-A3B's expert shapes (128 experts of 768, hidden 2048, top-8) in bf16:
+    routing, align and both products captured in one CUDA graph (no host sync anywhere) and
+    replayed on new inputs, against the reference on the same bf16 weights."""
+    dev = torch.device("cuda")
+    num_experts, inter, hidden, top_k = 128, 768, 2048, 8
+    gen = torch.Generator(device=dev).manual_seed(num_tokens)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=dev, generator=gen)
+           / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, device=dev, generator=gen)
+          / inter ** 0.5).bfloat16()
+    x = torch.randn(num_tokens, hidden, device=dev, generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, device=dev, generator=gen).bfloat16()
+
+    def step() -> torch.Tensor:
+        weights, ids = moe_routing_triton(logits, top_k, True)
+        return fused_moe_triton(x, w13, w2, weights, ids)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn(num_tokens, hidden, device=dev, generator=gen))
+    logits.copy_(torch.randn(num_tokens, num_experts, device=dev, generator=gen))
+    out.fill_(float("nan"))
+    graph.replay()
+    weights, ids = select_experts_ref(logits, top_k, True)
+    ref = fused_moe_ref(x, w13, w2, weights, ids).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
 
 
 @gpu

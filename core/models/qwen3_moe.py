@@ -8,6 +8,7 @@ from bastion.core.models.layers.linear import ReplicatedLinear
 from bastion.core.models.llama import LlamaForCausalLM, LlamaMLP
 from bastion.core.models.qwen3 import qwen3_attention
 from torch import nn
+from torch.nn import functional as F
 from transformers import PretrainedConfig
 
 
@@ -25,7 +26,16 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
                                 renormalize=bool(getattr(config, "norm_topk_prob", True)))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden))
+        return self.experts(hidden, router_logits(hidden, self.gate.weight))
+
+
+def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's logits in float32. Rounded to bf16 (steps of 2^-8 relative), two experts
+    whose logits are that close swap places in the top-k, and the token's whole output
+    changes; the GEMM still reads bf16 operands, only its output is kept wider."""
+    if hidden.is_cuda and hidden.dtype != torch.float32:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden, weight).float()
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -2,8 +2,10 @@
 
 Two ways to split the experts over ranks:
 - expert parallel (EP group larger than one rank): each rank holds ``E / ep_size`` whole experts;
-  tokens are all-gathered over the EP group, every rank applies its own experts to all of them,
-  and a reduce-scatter returns each rank the sum for its own tokens.
+  tokens are all-gathered over the EP group (every rank runs the same padded row count, so
+  the buffers have a fixed size and a CUDA graph can hold the collectives), every rank
+  applies its own experts to all of them, and a reduce-scatter returns each rank the sum for
+  its own tokens.
 - otherwise tensor parallel: every rank holds all experts with their intermediate dim split,
   and the partial outputs are all-reduced like a row-parallel layer.
 """
@@ -11,8 +13,9 @@ Two ways to split the experts over ranks:
 from __future__ import annotations
 
 import torch
+from bastion.core.forward_context import get_forward_context
 from bastion.ops.communicator import get_ep_group, get_tp_group
-from bastion.ops.moe import fused_moe
+from bastion.ops.moe import fused_moe, select_experts
 from torch import nn
 
 
@@ -74,23 +77,22 @@ class FusedMoE(nn.Module):
                              f"not fit the layer")
         target.copy_(source)
 
-    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax over all experts, keep the top k; optionally renormalise them to sum to 1."""
-        probs = torch.softmax(router_logits.float(), dim=-1)
-        topk_weights, topk_ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return topk_weights, topk_ids
-
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.select_experts(router_logits)
+        # Rows past the step's real tokens (CUDA-graph or DP-lockstep padding) choose no
+        # expert: the count is the forward context's last query start, read on the device.
+        meta = get_forward_context()
+        num_real = meta.query_start_loc[-1:] if meta is not None else None
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize,
+                                                num_real)
         if self.ep.world_size == 1:
             out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
             return self.tp.all_reduce(out)
-        # NOTE: with TP inside the EP group the TP ranks gather identical tokens; the
-        # reduce-scatter still returns every rank the full sum for its own copy.
-        sizes = self.ep.all_gather_sizes(hidden.shape[0], hidden.device)
-        out = fused_moe(self.ep.all_gatherv(hidden, sizes), self.w13_weight, self.w2_weight,
-                        self.ep.all_gatherv(topk_weights, sizes),
-                        self.ep.all_gatherv(topk_ids, sizes), self.expert_offset)
-        return self.ep.reduce_scatterv(out, sizes)
+        # NOTE: every EP rank runs the same number of rows (the DP group agreed on a padded
+        # size for the step), so the gather and the reduce-scatter have static shapes and no
+        # row count crosses to the host. With TP inside the EP group the TP ranks gather
+        # identical tokens; the reduce-scatter still returns every rank the full sum for its
+        # own copy.
+        out = fused_moe(self.ep.all_gather(hidden, dim=0), self.w13_weight, self.w2_weight,
+                        self.ep.all_gather(topk_weights, dim=0),
+                        self.ep.all_gather(topk_ids, dim=0), self.expert_offset)
+        return self.ep.reduce_scatter(out, dim=0)

@@ -1,0 +1,67 @@
+"""Launch configurations of the fused MoE kernels, per shape, token count and GPU.
+
+Tuned tables live in ``ops/moe_configs/`` as JSON, one file per (local experts E, intermediate
+size per rank N, hidden size K, GPU, dtype), written by ``scripts/tune_moe.py``; each maps a
+token count to one shared ``BLOCK_SIZE_M`` (the align step pads to it) and the tile of each
+product (``up``: gate/up with SiLU, ``down``). A count between tuned ones takes the nearest.
+Shapes without a table use ``default_moe_config``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).with_name("moe_configs")
+
+
+def config_file_name(num_experts: int, inter: int, hidden: int, device_name: str,
+                     dtype: torch.dtype) -> str:
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (f"E={num_experts},N={inter},K={hidden},device_name={device_name.replace(' ', '_')},"
+            f"dtype={dtype_name}.json")
+
+
+@functools.cache
+def _load_table(name: str) -> dict[int, dict] | None:
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        logger.info("no tuned MoE config %s; using the default tiles", name)
+        return None
+    return {int(m): cfg for m, cfg in json.loads(path.read_text()).items()}
+
+
+def default_moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+    """Tiles by the rows each expert gets on average: small blocks for decode, where every
+    program streams one expert's weights for a handful of rows; larger ones for prefill."""
+    rows = num_tokens * top_k / max(num_experts, 1)
+    if rows <= 16:
+        bm, up, down = 16, (64, 128, 1, 4, 4), (64, 128, 1, 4, 4)
+    elif rows <= 48:
+        bm, up, down = 32, (64, 64, 4, 4, 4), (64, 64, 4, 4, 4)
+    else:
+        bm, up, down = 64, (128, 64, 8, 8, 3), (128, 64, 8, 8, 3)
+
+    def tile(t: tuple[int, int, int, int, int]) -> dict[str, int]:
+        return dict(zip(("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
+                         "num_stages"), t))
+
+    return {"BLOCK_SIZE_M": bm, "up": tile(up), "down": tile(down)}
+
+
+def get_moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int,
+                   dtype: torch.dtype) -> dict:
+    """The launch configuration for ``num_tokens`` tokens (a Python int: static per graph)."""
+    if torch.cuda.is_available():
+        name = config_file_name(num_experts, inter, hidden, torch.cuda.get_device_name(), dtype)
+        table = _load_table(name)
+        if table:
+            nearest = min(table, key=lambda m: abs(m - num_tokens))
+            return table[nearest]
+    return default_moe_config(num_tokens, top_k, num_experts)

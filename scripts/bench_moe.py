@@ -1,0 +1,186 @@
+"""A MoE model on one GPU: offline throughput and batch latency beside their bandwidth floors.
+
+The floor of a step is the bytes it must read: every non-expert weight (attention, norms,
+router, the LM head; not the input embedding unless tied), each MoE layer's experts that the
+step's tokens route to, and every sequence's K/V context, over the copy bandwidth measured in
+the same run. Which experts a batch of B tokens reaches is taken from the model itself: after
+the timed runs a census forward of ``--census-tokens`` workload-like tokens records how often
+each layer's router picks each expert (q_e, summing to top-k), and a batch of B tokens is
+counted as touching sum_e 1 - (1 - q_e)^B experts in that layer (independent tokens; with
+random dummy weights the routing is close to uniform, so B = 1 reads top-k experts a layer
+and B >= 64 nearly all of them). The schedule is the ideal one: one prefill of every prompt,
+then all sequences decoding together, as many steps as the longest output.
+
+    python scripts/bench_moe.py --model configs/qwen3-30b-a3b            # both workloads
+    python scripts/bench_moe.py --model configs/qwen3-30b-a3b --latency  # batch 1 and 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from typing import NamedTuple
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+from bench_latency import copy_bandwidth  # noqa: E402
+from bench_offline import make_workload  # noqa: E402
+
+
+class MoEBytes(NamedTuple):
+    dense_per_step: int  # non-expert weights read every step
+    per_expert: int  # one expert of one layer (gate, up, down)
+    kv_per_token: int
+
+
+def moe_bytes(model_dir: str, dtype: torch.dtype) -> MoEBytes:
+    """Counted on a model built on the meta device."""
+    from bastion.core.loader.hf_loader import load_hf_config
+    from bastion.core.models.layers.fused_moe import FusedMoE
+    from bastion.core.models.registry import get_model_class
+
+    config = load_hf_config(model_dir, {})
+    with torch.device("meta"):
+        model = get_model_class(config.architectures[0])(config, dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    expert_total = sum(m.w13_weight.numel() + m.w2_weight.numel() for m in moe) * elem
+    total = sum(p.numel() for p in model.parameters()) * elem
+    embed = model.model.embed_tokens.weight.numel() * elem
+    dense = total - expert_total - (0 if config.tie_word_embeddings else embed)
+    per_expert = (moe[0].w13_weight[0].numel() + moe[0].w2_weight[0].numel()) * elem
+    kv = sum(2 * a.num_kv_heads * a.head_dim * elem for a in model.attention_layers())
+    return MoEBytes(dense, per_expert, kv)
+
+
+def routing_census(llm, num_tokens: int) -> list[torch.Tensor]:  # noqa: ANN001
+    """Per MoE layer, the probability that a token picks each expert (sums to top-k)."""
+    from bastion.core.models.layers.fused_moe import FusedMoE
+    from bastion.ops.moe import select_experts
+
+    model = llm.engine.executor.runner.model
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    picks: list[torch.Tensor] = []
+
+    def hook(module, inputs) -> None:  # noqa: ANN001
+        _, ids = select_experts(inputs[1], module.top_k, module.renormalize)
+        picks.append(torch.bincount(ids.reshape(-1).long(), minlength=module.num_experts)
+                     .double().cpu() / ids.shape[0])
+
+    handles = [m.register_forward_pre_hook(hook) for m in layers]
+    ids = torch.randint(0, 10000, (num_tokens,), device="cuda")
+    with torch.inference_mode():
+        model(ids, torch.arange(num_tokens, device="cuda"))  # no forward context: no KV cache
+    for h in handles:
+        h.remove()
+    return picks
+
+
+def touched(q: list[torch.Tensor], batch: int) -> float:
+    """Experts a batch of ``batch`` tokens reaches, summed over the MoE layers."""
+    return sum(float((1 - (1 - p.clamp(max=1)) ** batch).sum()) for p in q)
+
+
+def floor_bytes(prompt_lens: list[int], output_lens: list[int], mb: MoEBytes,
+                q: list[torch.Tensor]) -> float:
+    num_steps = max(output_lens)
+    total = mb.dense_per_step + touched(q, sum(prompt_lens)) * mb.per_expert  # the prefill
+    for s in range(1, num_steps):
+        running = [(p, n) for p, n in zip(prompt_lens, output_lens) if n > s]
+        total += mb.dense_per_step + touched(q, len(running)) * mb.per_expert
+        total += sum(p + s for p, _ in running) * mb.kv_per_token
+    return total
+
+
+def offline(llm, name: str, work, mb: MoEBytes) -> tuple[str, float, list[int], list[int]]:  # noqa: ANN001
+    from bastion import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+              for n in work.max_tokens]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == work.num_output_tokens
+    return name, seconds, [len(p) for p in work.prompts], work.max_tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=os.path.join(REPO, "configs", "qwen3-30b-a3b"))
+    p.add_argument("--latency", action="store_true", help="batch 1 and 8, 32 in / 128 out")
+    p.add_argument("--offline", action="store_true", help="the two offline workloads")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--census-tokens", type=int, default=4096)
+    p.add_argument("--num-iters", type=int, default=3)
+    args = p.parse_args(argv)
+    if not (args.latency or args.offline):
+        args.latency = args.offline = True
+    from bastion import LLM, SamplingParams
+
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=2304, max_num_seqs=256, max_num_batched_tokens=16384,
+              enforce_eager=args.enforce_eager)
+    warm = make_workload(64, 100, 1024, 1, 1, 1)
+    llm.generate([{"prompt_token_ids": q} for q in warm.prompts],
+                 SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.scheduler.kv.pool.reset_prefix_cache()
+    mb = moe_bytes(args.model, torch.bfloat16)
+    rows: list[tuple[str, float, list[int], list[int]]] = []
+    if args.offline:
+        rows.append(offline(llm, "offline 64 seqs, in U[100,512], out U[64,256]",
+                            make_workload(64, 100, 512, 64, 256, 0), mb))
+        llm.engine.scheduler.kv.pool.reset_prefix_cache()
+        rows.append(offline(llm, "offline nano-vllm: 256 seqs, in/out U[100,1024]",
+                            make_workload(256, 100, 1024, 100, 1024, 0), mb))
+    latencies: list[tuple[int, list[float]]] = []
+    if args.latency:
+        rng = random.Random(0)
+        for batch in (1, 8):
+            prompts = [{"prompt_token_ids": [rng.randrange(10000) for _ in range(32)]}
+                       for _ in range(batch)]
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=128)
+            times = []
+            for i in range(args.num_iters + 1):
+                llm.engine.scheduler.kv.pool.reset_prefix_cache()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                llm.generate(prompts, params)
+                torch.cuda.synchronize()
+                if i:  # the first is a warm-up
+                    times.append(time.perf_counter() - start)
+            latencies.append((batch, times))
+    q = routing_census(llm, args.census_tokens)
+    bw = copy_bandwidth()
+    print(f"\n{os.path.basename(args.model.rstrip('/'))} dummy bf16"
+          f"{' eager' if args.enforce_eager else ', CUDA graphs'}: non-expert weights "
+          f"{mb.dense_per_step / 1e9:.2f} GB/step, {mb.per_expert / 1e6:.2f} MB per expert, "
+          f"{len(q)} MoE layers; copy bandwidth {bw / 1e12:.2f} TB/s; experts reached per layer "
+          f"at batch 1/8/64/256: "
+          + "/".join(f"{touched(q, b) / len(q):.1f}" for b in (1, 8, 64, 256)))
+    for name, seconds, prompt_lens, output_lens in rows:
+        floor_s = floor_bytes(prompt_lens, output_lens, mb, q) / bw
+        num_out = sum(output_lens)
+        print(f"{name}: {num_out / seconds:,.0f} output tok/s ({seconds:.2f} s); floor "
+              f"{floor_s:.2f} s = {num_out / floor_s:,.0f} tok/s; {floor_s / seconds:.0%} of floor")
+    for batch, times in latencies:
+        mean = statistics.mean(times)
+        floor_s = floor_bytes([32] * batch, [128] * batch, mb, q) / bw
+        step_floor = (mb.dense_per_step + touched(q, batch) * mb.per_expert) / bw
+        print(f"latency batch {batch}, 32 in / 128 out: {mean * 1e3:.1f} ms per batch "
+              f"(min {min(times) * 1e3:.1f}), {mean / 128 * 1e3:.2f} ms per step; floor "
+              f"{floor_s * 1e3:.1f} ms ({step_floor * 1e3:.2f} ms per decode step); "
+              f"{mean / floor_s:.2f}x the floor")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
