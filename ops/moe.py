@@ -14,18 +14,20 @@ from bastion.ops.activation import silu_and_mul_ref
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              expert_offset: int = 0) -> torch.Tensor:
+              expert_offset: int = 0, padding_only_unrouted: bool = False) -> torch.Tensor:
     """Sum over each token's top-k experts of ``weight * w2_e(silu(gate_e x) * up_e x)``.
 
     ``w13`` [E_local, 2I, H] holds gate (first I rows) then up; ``w2`` [E_local, H, I].
     ``topk_ids`` are global expert ids; only experts in ``[expert_offset, expert_offset + E_local)``
     live here, the others (and negative ids: padding rows) contribute zero (expert parallelism
-    sums partial results across ranks).
+    sums partial results across ranks). ``padding_only_unrouted``: the caller holds every
+    expert, so only padding rows (id -1) go unrouted and their output may be left undefined.
     """
     if use_triton(hidden, w13):
         launcher = triton_launcher("fused_moe", "fused_moe_triton")
         if launcher is not None:
-            return launcher(hidden, w13, w2, topk_weights, topk_ids, expert_offset)
+            return launcher(hidden, w13, w2, topk_weights, topk_ids, expert_offset,
+                            zero_unrouted=not padding_only_unrouted)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, expert_offset)
 
 

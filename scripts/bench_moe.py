@@ -4,11 +4,10 @@ The floor of a step is the bytes it must read: every non-expert weight (attentio
 router, the LM head; not the input embedding unless tied), each MoE layer's experts that the
 step's tokens route to, and every sequence's K/V context, over the copy bandwidth measured in
 the same run. Which experts a batch of B tokens reaches is taken from the model itself: after
-the timed runs a census forward of ``--census-tokens`` workload-like tokens records how often
-each layer's router picks each expert (q_e, summing to top-k), and a batch of B tokens is
-counted as touching sum_e 1 - (1 - q_e)^B experts in that layer (independent tokens; with
-random dummy weights the routing is close to uniform, so B = 1 reads top-k experts a layer
-and B >= 64 nearly all of them). The schedule is the ideal one: one prefill of every prompt,
+the timed runs a census of eager decode steps of ``--census-batch`` sequences records how often
+each layer's router picks each expert for a decoding token (q_e, summing to top-k), and a
+batch of B tokens is counted as touching sum_e 1 - (1 - q_e)^B experts in that layer
+(independent tokens; the experts the census steps actually reached are printed beside it). The schedule is the ideal one: one prefill of every prompt,
 then all sequences decoding together, as many steps as the longest output.
 
     python scripts/bench_moe.py --model configs/qwen3-30b-a3b            # both workloads
@@ -30,8 +29,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
-from bench_latency import copy_bandwidth  # noqa: E402
-from bench_offline import make_workload  # noqa: E402
+from bench_latency import copy_bandwidth
+from bench_offline import make_workload
 
 
 class MoEBytes(NamedTuple):
@@ -60,27 +59,45 @@ def moe_bytes(model_dir: str, dtype: torch.dtype) -> MoEBytes:
     return MoEBytes(dense, per_expert, kv)
 
 
-def routing_census(llm, num_tokens: int) -> list[torch.Tensor]:  # noqa: ANN001
-    """Per MoE layer, the probability that a token picks each expert (sums to top-k)."""
+def routing_census(llm, batch: int) -> tuple[list[torch.Tensor], float]:
+    """Per MoE layer, the probability that a decoding token picks each expert (sums to top-k),
+    from eager decode steps of ``batch`` sequences; and the experts a layer's step actually
+    reached, averaged. Decode rows are counted, not prefill ones: the hidden states of one
+    long prompt route far more alike than those of many sequences' next tokens."""
+    from bastion import SamplingParams
     from bastion.core.models.layers.fused_moe import FusedMoE
     from bastion.ops.moe import select_experts
 
-    model = llm.engine.executor.runner.model
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    picks: list[torch.Tensor] = []
+    runner = llm.engine.executor.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    counts = [torch.zeros(m.num_experts, dtype=torch.float64) for m in layers]
+    rows, reached = [0], []
 
-    def hook(module, inputs) -> None:  # noqa: ANN001
-        _, ids = select_experts(inputs[1], module.top_k, module.renormalize)
-        picks.append(torch.bincount(ids.reshape(-1).long(), minlength=module.num_experts)
-                     .double().cpu() / ids.shape[0])
+    def make_hook(i: int):
+        def hook(module, inputs) -> None:
+            if inputs[1].shape[0] != batch:  # a prefill chunk
+                return
+            _, ids = select_experts(inputs[1], module.top_k, module.renormalize)
+            hist = torch.bincount(ids.reshape(-1).long(), minlength=module.num_experts).cpu()
+            counts[i] += hist.double()
+            reached.append(int((hist > 0).sum()))
+            if i == 0:
+                rows[0] += ids.shape[0]
+        return hook
 
-    handles = [m.register_forward_pre_hook(hook) for m in layers]
-    ids = torch.randint(0, 10000, (num_tokens,), device="cuda")
-    with torch.inference_mode():
-        model(ids, torch.arange(num_tokens, device="cuda"))  # no forward context: no KV cache
-    for h in handles:
-        h.remove()
-    return picks
+    handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(layers)]
+    graphs, runner.graph_runner = runner.graph_runner, None  # hooks do not run in a replay
+    rng = random.Random(2)
+    prompts = [{"prompt_token_ids": [rng.randrange(10000) for _ in range(32)]}
+               for _ in range(batch)]
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=9))
+    finally:
+        runner.graph_runner = graphs
+        for h in handles:
+            h.remove()
+    llm.engine.scheduler.kv.pool.reset_prefix_cache()
+    return [c / rows[0] for c in counts], sum(reached) / max(len(reached), 1)
 
 
 def touched(q: list[torch.Tensor], batch: int) -> float:
@@ -99,7 +116,7 @@ def floor_bytes(prompt_lens: list[int], output_lens: list[int], mb: MoEBytes,
     return total
 
 
-def offline(llm, name: str, work, mb: MoEBytes) -> tuple[str, float, list[int], list[int]]:  # noqa: ANN001
+def offline(llm, name: str, work, mb: MoEBytes) -> tuple[str, float, list[int], list[int]]:
     from bastion import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
@@ -113,14 +130,39 @@ def offline(llm, name: str, work, mb: MoEBytes) -> tuple[str, float, list[int], 
     return name, seconds, [len(p) for p in work.prompts], work.max_tokens
 
 
+def profile_decode(llm, batch: int) -> None:
+    """Device time per kernel over a batch's 16 steps (one prefill, 15 graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bastion import SamplingParams
+
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(10000) for _ in range(32)]}
+               for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16)
+    llm.generate(prompts, params)
+    llm.engine.scheduler.kv.pool.reset_prefix_cache()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"profile batch {batch} (16 steps): device {total / 1e3:.1f} ms")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d}x "
+              f"{e.self_device_time_total / max(e.count, 1):8.1f} us  {e.key[:70]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(REPO, "configs", "qwen3-30b-a3b"))
     p.add_argument("--latency", action="store_true", help="batch 1 and 8, 32 in / 128 out")
     p.add_argument("--offline", action="store_true", help="the two offline workloads")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--census-tokens", type=int, default=4096)
+    p.add_argument("--census-batch", type=int, default=256)
     p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--profile", type=int, nargs="*", default=[],
+                   help="batch sizes to profile (32 in / 16 out): device time per kernel")
     args = p.parse_args(argv)
     if not (args.latency or args.offline):
         args.latency = args.offline = True
@@ -158,14 +200,17 @@ def main(argv: list[str] | None = None) -> int:
                 if i:  # the first is a warm-up
                     times.append(time.perf_counter() - start)
             latencies.append((batch, times))
-    q = routing_census(llm, args.census_tokens)
+    for batch in args.profile:
+        profile_decode(llm, batch)
+    q, reached = routing_census(llm, args.census_batch)
     bw = copy_bandwidth()
     print(f"\n{os.path.basename(args.model.rstrip('/'))} dummy bf16"
           f"{' eager' if args.enforce_eager else ', CUDA graphs'}: non-expert weights "
           f"{mb.dense_per_step / 1e9:.2f} GB/step, {mb.per_expert / 1e6:.2f} MB per expert, "
           f"{len(q)} MoE layers; copy bandwidth {bw / 1e12:.2f} TB/s; experts reached per layer "
           f"at batch 1/8/64/256: "
-          + "/".join(f"{touched(q, b) / len(q):.1f}" for b in (1, 8, 64, 256)))
+          + "/".join(f"{touched(q, b) / len(q):.1f}" for b in (1, 8, 64, 256))
+          + f" (counted in the census's decode steps of {args.census_batch}: {reached:.1f})")
     for name, seconds, prompt_lens, output_lens in rows:
         floor_s = floor_bytes(prompt_lens, output_lens, mb, q) / bw
         num_out = sum(output_lens)

@@ -169,8 +169,8 @@ for s in $STAGES; do
       --profile-trace $OUT/prefill_trace.json && gzip -f $OUT/prefill_trace.json" ;;
     moetune) stage moetune 420 'copy|tokens|^ *[0-9]|wrote|Error' -- \
       $PY scripts/tune_moe.py --model configs/qwen3-30b-a3b --out "$OUT" ;;
-    moe) stage moe 400 'offline|latency|experts reached|Error|error' -- \
-      $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b ;;
+    moe) stage moe 400 'offline|latency|experts reached|profile|^  +[0-9]|Error|error' -- \
+      $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b --profile ${MOE_PROFILE:-} ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
     hf) stage hf 120 'workload|bastion|HF|ratio|Error' -- \

@@ -38,7 +38,8 @@ _KERNEL_MODULES = [
     "bastion.ops.triton.silu_and_mul",
     "bastion.ops.triton.sample",
     "bastion.ops.triton.moe_routing",
-    "bastion.ops.triton.moe_align",  # before fused_moe, which imports it
+    "bastion.ops.triton.moe_align",  # these two before fused_moe, which imports them
+    "bastion.ops.triton.moe_sum",
     "bastion.ops.triton.fused_moe",
 ]
 

@@ -76,7 +76,7 @@ def _fused_moe_kernel(
     if GATED:
         up_ptrs = b_ptrs + N * stride_bn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
@@ -145,12 +145,15 @@ def fused_moe_gemm_triton(a: torch.Tensor, weight: torch.Tensor, out: torch.Tens
 
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, zero_unrouted: bool = True) -> torch.Tensor:
     """The whole expert computation of ``bastion.ops.moe.fused_moe`` without a host sync:
     align, gate/up product with SiLU-and-mul, down product scaled by the routing weights, and
-    the sum over each token's k choices (pairs on other ranks' experts add zero)."""
+    the sum over each token's k choices. ``zero_unrouted``: pairs on no local expert (another
+    rank's, or id -1) add zero; without it their tokens' rows are left undefined, which a
+    caller whose only such rows are padding may allow (it saves a fill of [T * k, H])."""
     from bastion.ops.moe_configs import get_moe_config
     from bastion.ops.triton.moe_align import moe_align_triton
+    from bastion.ops.triton.moe_sum import moe_sum_triton
 
     num_tokens, hidden_size = hidden.shape
     num_local, two_n, _ = w13.shape
@@ -163,9 +166,10 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     fused_moe_gemm_triton(hidden, w13, act, None, sorted_ids, block_experts, num_sorted, top_k,
                           gated=True, config={**config, **config["up"]})
-    # NOTE: rows of pairs routed to no local expert are never written: they must read zero.
-    out = torch.zeros((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    # NOTE: rows of pairs routed to no local expert are never written.
+    alloc = torch.zeros if zero_unrouted else torch.empty
+    out = alloc((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     fused_moe_gemm_triton(act, w2, out, topk_weights.reshape(-1).float(), sorted_ids,
                           block_experts, num_sorted, top_k, gated=False,
                           config={**config, **config["down"]})
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    return moe_sum_triton(out.view(num_tokens, top_k, hidden_size))

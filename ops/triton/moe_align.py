@@ -107,5 +107,5 @@ def moe_align_triton(topk_ids: torch.Tensor, block_m: int, num_local_experts: in
         topk_ids, sorted_ids, block_experts, num_sorted, cursor, num_pairs, expert_offset,
         max_sorted, max_blocks, NUM_LOCAL=num_local_experts, NUM_BINS=num_bins,
         BLOCK_M=block_m, CHUNK=chunk, CHUNK_B=max(16, 8192 // num_bins),
-        num_warps=4 if chunk == 1024 else 16)
+        num_warps=8 if chunk == 1024 else 16)
     return sorted_ids, block_experts, num_sorted

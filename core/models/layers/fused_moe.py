@@ -85,7 +85,9 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize,
                                                 num_real)
         if self.ep.world_size == 1:
-            out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            # Padding rows' outputs are junk that no later op mixes into real rows.
+            out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                            padding_only_unrouted=True)
             return self.tp.all_reduce(out)
         # NOTE: every EP rank runs the same number of rows (the DP group agreed on a padded
         # size for the step), so the gather and the reduce-scatter have static shapes and no
