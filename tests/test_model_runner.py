@@ -111,3 +111,38 @@ def test_staging_buffers_rotate_without_touching_earlier_batches():
     assert big.meta.block_tables.tolist() == [[1, 2]]
     assert big.logits_indices.tolist() == [29]
     assert batches[0].input_ids.tolist() == list(range(8))
+
+
+def test_padding_rows_follow_the_step_and_belong_to_no_sequence():
+    """A coupled DP group's agreed row count: rows past the step's tokens are id 0, position 0,
+    slot -1 (stored nowhere), and the query starts still end at the real tokens (the MoE
+    layers read that count to route the padding to no expert)."""
+    runner = _runner()
+    runner.requests = {"c": _state("c", [1, 2, 3], 0, [4])}
+    sched = SchedulerOutput(num_scheduled_tokens={"c": 3}, total_num_scheduled_tokens=3,
+                            num_padded_tokens=8)
+    batch = runner._prepare_inputs(sched, None, num_rows=8)
+    bs = runner.block_size
+    assert batch.input_ids.tolist() == [1, 2, 3, 0, 0, 0, 0, 0]
+    assert batch.positions.tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert batch.meta.slot_mapping.tolist() == [4 * bs, 4 * bs + 1, 4 * bs + 2] + [-1] * 5
+    assert batch.meta.query_start_loc.tolist() == [0, 3]
+    assert batch.logits_indices.tolist() == [2]
+
+
+def test_a_forward_that_cannot_be_captured_runs_eager_with_one_warning(monkeypatch, caplog):
+    runner = _runner()
+    runner.use_cuda_graphs = True
+
+    def capture() -> None:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "_allocate_kv_cache", lambda num_blocks: None)
+    monkeypatch.setattr(runner, "build_graph_runner", lambda: SimpleNamespace(capture=capture))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    with caplog.at_level("WARNING", logger="bastion.core.model_runner"):
+        runner.initialize_kv_cache(16)
+    assert runner.graph_runner is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["CUDA graph capture failed (RuntimeError: CUDA error: operation not "
+                        "permitted when stream is capturing); decode runs eager"]
