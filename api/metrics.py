@@ -206,7 +206,8 @@ class ApiMetrics:
         self.kv_cache_usage_perc.labels(m).set(usage)
         self.gpu_cache_usage_perc.labels(m).set(usage)
         if self._cache_info is not None:
-            num_blocks = sum(s.num_gpu_blocks for s in all_stats)
+            # Per engine, as vLLM's: every engine of the group sizes the same pool.
+            num_blocks = max((s.num_gpu_blocks for s in all_stats), default=0)
             self.cache_config_info.clear()
             self.cache_config_info.labels(**self._cache_info,
                                           num_gpu_blocks=str(num_blocks)).set(1)
