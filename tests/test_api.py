@@ -563,7 +563,7 @@ async def test_metrics(serve, tokenizer, prefix):
     assert _sample(text, f"{p}:request_params_max_tokens_sum") == 4
     assert _sample(text, f"{p}:iteration_tokens_total_sum") == 307
     assert f'{p}:iteration_tokens_total_bucket{{le="8.0",model_name="smollm2"}} 1.0' in text
-    info = re.search(rf"^{p}:cache_config_info{{(.*)}} 1.0$", text, re.M)
+    info = re.search(rf"^{p}:cache_config_info{{(.*)}} 1.0$", text, re.MULTILINE)
     assert info and 'block_size="32"' in info[1] and 'num_gpu_blocks="182"' in info[1]
     assert 'cache_dtype="auto"' in info[1] and 'enable_prefix_caching="True"' in info[1]
     other = "vllm" if prefix == "bastion" else "bastion"
