@@ -34,7 +34,7 @@ def add_install_units_args(parser: argparse.ArgumentParser) -> None:
 
 
 def units_folder() -> Path:
-    """scripts/ of this checkout (or of the installed package, which ships the units)."""
+    """scripts/ of this checkout (the editable install scripts/setup.sh makes)."""
     return Path(__file__).resolve().parent.parent / "scripts"
 
 
@@ -67,6 +67,9 @@ def install_units(args: argparse.Namespace) -> list[Path]:
         raise UserError(f"{binary} is not an executable bastion; install the project "
                         "(scripts/setup.sh) or pass --bin")
     binary = binary.absolute()
+    if not (units_folder() / UNIT_NAMES[0]).is_file():
+        raise UserError(f"no unit files in {units_folder()}: run install-units from a checkout "
+                        "installed by scripts/setup.sh")
     dest, env_dir = Path(args.dest), Path(args.env_dir)
     written = []
     for name in UNIT_NAMES:

