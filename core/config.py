@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,12 +228,29 @@ def default_max_num_batched_tokens(device: str, entry_point: str, world_size: in
     offline = entry_point == "llm"
     if device != "cuda":
         return (4096 if offline else 2048) * world_size, "the CPU"
-    props = torch.cuda.get_device_properties(0)
-    big = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
-    where = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    name, total_memory = gpu_name_and_memory()
+    big = total_memory >= 70 * 2**30 and "a100" not in name.lower()
+    where = f"{name} ({total_memory / 2**30:.0f} GiB)"
     if big:
         return (16384 if offline else 8192), where
     return (8192 if offline else 2048), where
+
+
+def gpu_name_and_memory() -> tuple[str, int]:
+    """The first visible GPU's name and memory in bytes.
+
+    NOTE: asked of nvidia-smi where it exists, so that the API process, which runs no model,
+    does not initialise CUDA (and hold a context on the GPU) just to pick a default."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                              "--format=csv,noheader,nounits", "-i", visible or "0"],
+                             check=True, capture_output=True, text=True, timeout=10).stdout
+        name, mib = out.splitlines()[0].rsplit(",", 1)
+        return name.strip(), int(mib) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        props = torch.cuda.get_device_properties(0)
+        return props.name, props.total_memory
 
 
 def build_engine_config(entry_point: str = "llm", **kwargs: Any) -> EngineConfig:

@@ -6,12 +6,16 @@ import socket
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from bastion import LLM, SamplingParams
-from bastion.core.config import ConfigError, build_engine_config, default_max_num_batched_tokens
+from bastion.core.config import (
+    ConfigError,
+    build_engine_config,
+    default_max_num_batched_tokens,
+    gpu_name_and_memory,
+)
 from bastion.procs.cli import build_parser, engine_kwargs, main, no_effect_notes, parse_args
 
 
@@ -147,21 +151,31 @@ def test_max_model_len_above_the_model_limit_fails_in_seconds():
     assert time.monotonic() - start < 30  # no engine starts, nothing loads
 
 
-def _gpu(name: str, gib: int) -> SimpleNamespace:
-    return SimpleNamespace(name=name, total_memory=gib * 2**30)
-
-
-@pytest.mark.parametrize("gpu, offline, server", [
-    (_gpu("NVIDIA H200", 141), 16384, 8192),
-    (_gpu("NVIDIA H100 80GB HBM3", 80), 16384, 8192),
-    (_gpu("NVIDIA A100-SXM4-80GB", 80), 8192, 2048),
-    (_gpu("NVIDIA L4", 23), 8192, 2048),
+@pytest.mark.parametrize("name, gib, offline, server", [
+    ("NVIDIA H200", 141, 16384, 8192),
+    ("NVIDIA H100 80GB HBM3", 80, 16384, 8192),
+    ("NVIDIA A100-SXM4-80GB", 80, 8192, 2048),
+    ("NVIDIA L4", 23, 8192, 2048),
 ])
-def test_default_token_budget_follows_vllm_by_device_and_entry_point(monkeypatch, gpu, offline,
-                                                                     server):
-    monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: gpu)
-    assert default_max_num_batched_tokens("cuda", "llm")[0] == offline
+def test_default_token_budget_follows_vllm_by_device_and_entry_point(monkeypatch, name, gib,
+                                                                     offline, server):
+    monkeypatch.setattr("bastion.core.config.gpu_name_and_memory", lambda: (name, gib * 2**30))
+    assert default_max_num_batched_tokens("cuda", "llm") == (offline, f"{name} ({gib} GiB)")
     assert default_max_num_batched_tokens("cuda", "serve")[0] == server
+
+
+def test_gpu_properties_come_from_nvidia_smi_without_cuda(monkeypatch, tmp_path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\n[ "$3" = "-i" ] && [ "$4" = "3" ] && echo "NVIDIA H200, 143771"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+
+    def no_cuda(index):
+        raise AssertionError("CUDA was initialised")
+
+    monkeypatch.setattr("torch.cuda.get_device_properties", no_cuda)
+    assert gpu_name_and_memory() == ("NVIDIA H200", 143771 * 2**20)
 
 
 def test_default_token_budget_on_the_cpu_is_logged(caplog):
@@ -175,3 +189,22 @@ def test_default_token_budget_on_the_cpu_is_logged(caplog):
     caplog.clear()
     config = build_engine_config("serve", device="cpu", max_num_batched_tokens=512)
     assert config.scheduler.max_num_batched_tokens == 512 and caplog.text == ""
+
+
+def test_llm_shows_its_load_phases_unless_the_program_set_up_logging(monkeypatch):
+    import logging
+
+    from bastion.procs.logs import console_logging
+
+    bastion_logger = logging.getLogger("bastion")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(bastion_logger, "handlers", [])
+    monkeypatch.setattr(bastion_logger, "level", logging.NOTSET)
+    console_logging()
+    assert len(bastion_logger.handlers) == 1 and bastion_logger.level == logging.INFO
+    console_logging()  # idempotent
+    assert len(bastion_logger.handlers) == 1
+    monkeypatch.setattr(bastion_logger, "handlers", [])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+    console_logging()  # the program's own logging wins
+    assert bastion_logger.handlers == []
