@@ -282,6 +282,7 @@ class Failure(msgspec.Struct, **_WIRE):
     role: str
     rank: int
     message: str
+    is_user_error: bool = False  # a ConfigError: the message alone says what to change
 
 
 class WorkerCall(msgspec.Struct, **_WIRE):

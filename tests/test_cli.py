@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -208,3 +209,48 @@ def test_llm_shows_its_load_phases_unless_the_program_set_up_logging(monkeypatch
     monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
     console_logging()  # the program's own logging wins
     assert bastion_logger.handlers == []
+
+
+@pytest.mark.parametrize("is_user_error", [True, False])
+def test_a_childs_config_error_reaches_the_parent_as_a_user_error(tmp_path, is_user_error):
+    """A child that cannot start for a reason the user can fix (max_model_len that the KV cache
+    cannot hold) makes its parent raise ConfigError, which ``bastion`` prints as one line; other
+    failures stay StartupErrors naming the child."""
+    import zmq
+
+    from bastion.ipc.codec import encode
+    from bastion.ipc.messages import Failure, HandshakeInfo
+    from bastion.procs.lifecycle import Child, HandshakeServer, StartupError, child_handshake
+
+    ctx = zmq.Context()
+    server = HandshakeServer(ctx, f"ipc://{tmp_path}/handshake")
+    sock = None
+    try:
+        class FakeProc:  # alive until it has sent its FAILURE, as a real child
+            returncode = 1
+
+            def poll(self) -> int | None:
+                return None if thread.is_alive() else 1
+
+        child = Child("engine", 0, "bastion::engine-0", FakeProc())
+
+        def fail() -> None:
+            nonlocal sock
+            sock, _ = child_handshake(ctx, server.address, "engine", 0)
+            sock.send_multipart(encode(Failure("engine", 0, "max_model_len 8192 needs more",
+                                               is_user_error=is_user_error)))
+
+        thread = threading.Thread(target=fail)
+        thread.start()
+        expected = ConfigError if is_user_error else StartupError
+        message = ("max_model_len 8192 needs more" if is_user_error
+                   else "bastion::engine-0 failed to start: max_model_len 8192 needs more")
+        with pytest.raises(expected) as info:
+            server.run([child], {0: HandshakeInfo(b"{}", {})}, timeout_s=10)
+        assert str(info.value) == message
+        thread.join()
+    finally:
+        if sock is not None:
+            sock.close(linger=0)
+        server.close()
+        ctx.term()
