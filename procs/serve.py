@@ -223,7 +223,7 @@ class Server:
         while not self.stop_event.is_set():
             try:
                 await asyncio.wait_for(self.stop_event.wait(), timeout=0.25)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if self._phase(client) != phase:
                 phase = self._phase(client)
