@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAME_KEY
+from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
 from bastion.api.protocol import (
@@ -27,6 +27,7 @@ from bastion.api.protocol import (
 from bastion.api.serving import (
     Choice,
     Run,
+    apply_generation_defaults,
     chunk_header,
     collect,
     reject_if_draining,
@@ -85,7 +86,8 @@ def render_prompt(client: EngineClient, messages: list[dict[str, str]],
 
 def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
-    model = check_model(body, request.app[MODEL_NAME_KEY])
+    model = check_model(body, request.app[MODEL_NAMES_KEY])
+    body = apply_generation_defaults(body, config.generation_defaults)
     check_unsupported(body)
     messages = parse_messages(body.get("messages"))
     logprobs = get_bool(body, "logprobs", False)

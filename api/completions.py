@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAME_KEY
+from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
 from bastion.api.protocol import (
@@ -26,6 +26,7 @@ from bastion.api.protocol import (
 from bastion.api.serving import (
     Choice,
     Run,
+    apply_generation_defaults,
     chunk_header,
     collect,
     reject_if_draining,
@@ -76,7 +77,8 @@ def _is_token_id(value: object) -> bool:
 
 def parse_completion_request(request: web.Request, body: dict) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
-    model = check_model(body, request.app[MODEL_NAME_KEY])
+    model = check_model(body, request.app[MODEL_NAMES_KEY])
+    body = apply_generation_defaults(body, config.generation_defaults)
     check_unsupported(body)
     if body.get("prompt") is None:
         raise bad_request("prompt is required", "prompt")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -24,6 +26,10 @@ class ApiConfig:
     api_key: str | None = None
     admin_key: str | None = None
     served_model_name: str | None = None  # None: the engine client's model_name
+    model_aliases: tuple[str, ...] = ()  # other names clients may send as ``model``
+    metrics_prefix: str = "bastion"  # vllm: /metrics in vLLM's names, for its dashboards
+    # Sampling defaults for what a request leaves out (--generation-config).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
     max_logprobs: int = 20
@@ -41,6 +47,9 @@ class ApiConfig:
             raise ApiConfigError(f"max_logprobs must be in [0, 20]; got {self.max_logprobs}")
         if self.max_num_prompts < 1:
             raise ApiConfigError(f"max_num_prompts must be at least 1; got {self.max_num_prompts}")
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            raise ApiConfigError("metrics_prefix must be a Prometheus name such as bastion or "
+                                 f"vllm; got {self.metrics_prefix!r}")
         for name in ("api_key", "admin_key"):
             if getattr(self, name) == "":
                 raise ApiConfigError(f"{name} must not be empty (leave it unset to disable it)")
@@ -50,7 +59,8 @@ CONFIG_KEY = web.AppKey("bastion_config", ApiConfig)
 CLIENT_KEY = web.AppKey("bastion_client", object)  # an EngineClient
 METRICS_KEY = web.AppKey("bastion_metrics", object)  # an api.metrics.ApiMetrics
 FT_HANDLER_KEY = web.AppKey("bastion_ft_handler", object)  # a FaultToleranceHandler or None
-MODEL_NAME_KEY = web.AppKey("bastion_model_name", str)  # what clients send as ``model``
+MODEL_NAME_KEY = web.AppKey("bastion_model_name", str)  # the name answers carry as ``model``
+MODEL_NAMES_KEY = web.AppKey("bastion_model_names", tuple)  # every name a client may send
 
 
 @dataclass

@@ -140,12 +140,13 @@ _UNSUPPORTED = {
 }
 
 
-def check_model(body: dict, served_model_name: str) -> str:
-    model = get_str(body, "model", served_model_name)
-    if model != served_model_name:
+def check_model(body: dict, served_model_names: tuple[str, ...]) -> str:
+    """The request's ``model`` must be one of the served names; answers carry the first."""
+    model = get_str(body, "model", served_model_names[0])
+    if model not in served_model_names:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                       f"`{served_model_name}`", "model", "model_not_found")
-    return model
+                       f"`{served_model_names[0]}`", "model", "model_not_found")
+    return served_model_names[0]
 
 
 def check_unsupported(body: dict) -> None:

@@ -21,6 +21,7 @@ from bastion.api.config import (
     FT_HANDLER_KEY,
     METRICS_KEY,
     MODEL_NAME_KEY,
+    MODEL_NAMES_KEY,
     STATE_KEY,
     ApiConfig,
     ServerState,
@@ -39,11 +40,12 @@ _STARTED_KEY = web.AppKey("bastion_started", int)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    name = request.app[MODEL_NAME_KEY]
+    root = request.app[MODEL_NAME_KEY]
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": request.app[_STARTED_KEY],
-        "owned_by": "bastion", "root": name,
-        "max_model_len": request.app[CLIENT_KEY].max_model_len}]})
+        "owned_by": "bastion", "root": root,
+        "max_model_len": request.app[CLIENT_KEY].max_model_len}
+        for name in request.app[MODEL_NAMES_KEY]]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -83,7 +85,8 @@ def build_app(client: EngineClient, config: ApiConfig,
     app[CONFIG_KEY] = config
     app[CLIENT_KEY] = client
     app[MODEL_NAME_KEY] = model_name
-    app[METRICS_KEY] = ApiMetrics(client, model_name)
+    app[MODEL_NAMES_KEY] = (model_name, *config.model_aliases)
+    app[METRICS_KEY] = ApiMetrics(client, model_name, config.metrics_prefix)
     app[FT_HANDLER_KEY] = None
     app[STATE_KEY] = ServerState()
     app[_STARTED_KEY] = int(time.time())

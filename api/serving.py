@@ -125,6 +125,18 @@ class Run:
                 "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
+def apply_generation_defaults(body: dict, defaults: dict[str, Any]) -> dict:
+    """``body`` with the model's sampling defaults (``--generation-config``) for the fields it
+    leaves out; a field it sends, even as null, is its own. A chat request's
+    ``max_completion_tokens`` counts as its ``max_tokens``."""
+    if not defaults:
+        return body
+    missing = {k: v for k, v in defaults.items() if k not in body}
+    if "max_completion_tokens" in body:
+        missing.pop("max_tokens", None)
+    return {**missing, **body}
+
+
 def reject_if_draining(app: web.Application) -> None:
     if app[STATE_KEY].is_draining:
         raise ApiError(503, "The server is shutting down and accepts no new requests",
@@ -134,7 +146,7 @@ def reject_if_draining(app: web.Application) -> None:
 async def submit(client: EngineClient, metrics: ApiMetrics, request_id: str, model: str,
                  req: GenerateRequest) -> Run:
     """Hand every prompt to the engine client; a batch gets ids ``{request_id}-{p}``."""
-    tracker = metrics.track_request()
+    tracker = metrics.track_request(req.params)
     streams: list[RequestStream] = []
     for p, (prompt, params) in enumerate(zip(req.prompts, req.params)):
         engine_request_id = request_id if len(req.prompts) == 1 else f"{request_id}-{p}"

@@ -6,15 +6,21 @@ CLI flags map one to one onto these fields (``--max-model-len`` -> ``max_model_l
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 
 class ConfigError(ValueError):
-    """A configuration that cannot work; the message says what would be accepted."""
+    """A configuration that cannot work; the message says what would be accepted.
+
+    A user error: ``bastion`` prints its message as one line and exits with status 2."""
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -42,6 +48,12 @@ class ModelConfig:
     ``model`` is a GGUF file, a Hugging Face folder (config.json + safetensors), or ``None`` for
     the embedded SmolLM2-135M-Instruct GGUF. ``load_format="dummy"`` builds random weights from
     the folder's config.json alone.
+
+    ``served_model_name``: the names clients may send as ``model`` (the first is the one answers
+    and ``/metrics`` carry); empty: a name derived from the model. ``chat_template``: a file, or
+    the template itself (vLLM's rule: text with ``{``, ``}`` or a newline is a template).
+    ``generation_config`` (vLLM's semantics): ``auto`` takes default sampling parameters from
+    the model's generation_config.json, ``vllm`` ignores it, a folder names where to read it.
     """
 
     model: str | None = None
@@ -51,7 +63,9 @@ class ModelConfig:
     device: str = field(default_factory=default_device)
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] = ()
+    chat_template: str | None = None
+    generation_config: str = "auto"
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # no CUDA graphs (debugging, or collectives graphs cannot hold)
     hf_overrides: dict[str, Any] = field(default_factory=dict)
@@ -67,10 +81,31 @@ class ModelConfig:
         if self.model is not None and not os.path.exists(self.model):
             raise ConfigError(f"model path {self.model!r} does not exist (bastion never downloads "
                               "weights: pass a GGUF file or a Hugging Face folder)")
+        if self.tokenizer is not None and not os.path.exists(self.tokenizer):
+            raise ConfigError(f"tokenizer path {self.tokenizer!r} does not exist (pass a folder "
+                              "holding tokenizer.json / tokenizer_config.json)")
+        names = self.served_model_name
+        names = (names,) if isinstance(names, str) else tuple(names or ())
+        if any(not name for name in names):
+            raise ConfigError("served_model_name must not be empty")
+        object.__setattr__(self, "served_model_name", names)
+        if self.chat_template is not None and not is_inline_template(self.chat_template) \
+                and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"chat_template {self.chat_template!r} is neither a file nor a "
+                              "template (a template holds '{', '}' or a newline)")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(
+                self.generation_config):
+            raise ConfigError("generation_config must be auto, vllm or a folder holding "
+                              f"generation_config.json; got {self.generation_config!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype, self.device)
+
+
+def is_inline_template(value: str) -> bool:
+    """vLLM's test for ``--chat-template``: Jinja text, not a path."""
+    return any(c in value for c in "{}\n")
 
 
 @dataclass(frozen=True)
@@ -94,18 +129,25 @@ class CacheConfig:
                               f"got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError("num_gpu_blocks_override must be positive")
+        if self.kv_cache_dtype != "auto":
+            # NOTE: an FP8 cache would change outputs and memory, so it is refused, not ignored.
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported (the KV "
+                              "cache is kept in the model's dtype); use auto")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
+    """``max_num_batched_tokens`` None: ``build_engine_config`` picks vLLM's default for the
+    device and the entry point (``default_max_num_batched_tokens``)."""
+
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
     async_scheduling: bool = True  # schedule step N+1 while step N runs (off: --no-async-scheduling)
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be positive")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be positive")
@@ -170,8 +212,51 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def build_engine_config(**kwargs: Any) -> EngineConfig:
-    """Route flat keyword arguments (as the CLI and ``LLM(...)`` take them) to their component."""
+ENTRY_POINTS = ("llm", "serve")  # vLLM's usage contexts LLM_CLASS and OPENAI_API_SERVER
+
+
+def default_max_num_batched_tokens(device: str, entry_point: str, world_size: int = 1
+                                   ) -> tuple[int, str]:
+    """vLLM V1's default token budget per step (``EngineArgs.get_batch_defaults``), and why.
+
+    A GPU with at least 70 GiB that is not an A100 (H100, H200, MI300X): 16384 offline, 8192
+    for the API server; other GPUs: 8192 / 2048; the CPU: 4096 / 2048 per rank. The API server
+    takes less because a smaller prefill chunk keeps the inter-token latency of the running
+    decodes low; offline, only throughput counts."""
+    if entry_point not in ENTRY_POINTS:
+        raise ConfigError(f"entry_point must be one of {', '.join(ENTRY_POINTS)}")
+    offline = entry_point == "llm"
+    if device != "cuda":
+        return (4096 if offline else 2048) * world_size, "the CPU"
+    name, total_memory = gpu_name_and_memory()
+    big = total_memory >= 70 * 2**30 and "a100" not in name.lower()
+    where = f"{name} ({total_memory / 2**30:.0f} GiB)"
+    if big:
+        return (16384 if offline else 8192), where
+    return (8192 if offline else 2048), where
+
+
+def gpu_name_and_memory() -> tuple[str, int]:
+    """The first visible GPU's name and memory in bytes.
+
+    NOTE: asked of nvidia-smi where it exists, so that the API process, which runs no model,
+    does not initialise CUDA (and hold a context on the GPU) just to pick a default."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                              "--format=csv,noheader,nounits", "-i", visible or "0"],
+                             check=True, capture_output=True, text=True, timeout=10).stdout
+        name, mib = out.splitlines()[0].rsplit(",", 1)
+        return name.strip(), int(mib) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        props = torch.cuda.get_device_properties(0)
+        return props.name, props.total_memory
+
+
+def build_engine_config(entry_point: str = "llm", **kwargs: Any) -> EngineConfig:
+    """Route flat keyword arguments (as the CLI and ``LLM(...)`` take them) to their component.
+
+    ``entry_point`` (``llm`` or ``serve``) picks the default ``max_num_batched_tokens``."""
     classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                "parallel": ParallelConfig, "fault_tolerance": FaultToleranceConfig}
     parts: dict[str, dict[str, Any]] = {part: {} for part in classes}
@@ -180,4 +265,13 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
         if key not in owners:
             raise ConfigError(f"unknown engine option {key!r}")
         parts[owners[key]][key] = value
-    return EngineConfig(**{part: classes[part](**vals) for part, vals in parts.items()})
+    config = EngineConfig(**{part: classes[part](**vals) for part, vals in parts.items()})
+    if config.scheduler.max_num_batched_tokens is None:
+        budget, where = default_max_num_batched_tokens(
+            config.model.device, entry_point, config.parallel.tensor_parallel_size)
+        logger.info("max_num_batched_tokens=%d: vLLM's default for %s on %s "
+                    "(--max-num-batched-tokens overrides it)", budget,
+                    "the API server" if entry_point == "serve" else "offline LLM", where)
+        config = config.replace(scheduler=dataclasses.replace(
+            config.scheduler, max_num_batched_tokens=budget))
+    return config

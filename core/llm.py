@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any, Self
 
+from tqdm import tqdm
+
 from bastion.core.config import EngineConfig, build_engine_config
 from bastion.core.engine_core import EngineCore
 from bastion.core.executor import Executor, UniProcExecutor
-from bastion.core.loader import get_max_model_len, load_tokenizer, resolve_model
+from bastion.core.loader import (
+    get_max_model_len,
+    load_generation_defaults,
+    load_tokenizer,
+    resolve_model,
+)
 from bastion.core.output_processor import OutputProcessor, fan_out
 from bastion.core.outputs import RequestOutput
 from bastion.ipc.messages import SamplingParams
+from bastion.procs.logs import console_logging
 
 PromptType = str | list[int] | dict[str, Any]
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -24,15 +34,20 @@ class LLM:
 
     ``LLM()`` with no model runs the embedded SmolLM2-135M-Instruct. Keyword arguments are the
     engine options (``max_model_len``, ``block_size``, ``max_num_batched_tokens``, ...).
+    Loading logs its phases to stderr (with a bar on a terminal) unless the program has set up
+    logging itself.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config: EngineConfig = build_engine_config(model=model, **kwargs)
+        console_logging()
+        start = time.perf_counter()
+        self.config: EngineConfig = build_engine_config("llm", model=model, **kwargs)
         resolved = resolve_model(self.config.model)
         self.max_model_len = get_max_model_len(resolved.hf_config, self.config.model.max_model_len)
         self.tokenizer = None
         if not self.config.model.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(self.config.model, resolved)
+        self.generation_defaults = load_generation_defaults(self.config.model, resolved)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         if self.eos_token_id is None:
             self.eos_token_id = getattr(resolved.hf_config, "eos_token_id", None)
@@ -48,6 +63,7 @@ class LLM:
             self._remove_runtime_dir()
             raise
         self._counter = itertools.count()
+        logger.info("LLM ready in %.1f s", time.perf_counter() - start)
 
     def _make_executor(self) -> Executor:
         """In this process for one device; worker processes (one per TP rank) otherwise."""
@@ -87,16 +103,22 @@ class LLM:
         with contextlib.suppress(Exception):
             self.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's rule:
+        ``generation_config="vllm"`` ignores them)."""
+        return SamplingParams(**self.generation_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``) as one
-        continuously batched workload; results come back in prompt order."""
+        continuously batched workload; results come back in prompt order. ``use_tqdm``: a
+        progress bar of finished prompts on stderr."""
         if self.engine is None:
             raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
@@ -112,26 +134,35 @@ class LLM:
             results[parent] = RequestOutput(parent, text, token_ids, choices)
             for req in children:
                 self.engine.add_request(req)
-        while self.engine.has_unfinished_requests or processor.seqs:
-            step = self.engine.step()
-            to_abort = []
-            for out in step.outputs:
-                delta, must_abort = processor.process(out)
-                if delta is None:
-                    continue
-                result = results[delta.parent_id]
-                result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-                if must_abort:
-                    to_abort.append(out.request_id)
-            if to_abort:
-                self.engine.abort_requests(to_abort)
-            if not step.outputs and not self.engine.has_unfinished_requests:
-                break
+        bar = tqdm(total=len(order), desc="Processed prompts", unit="prompt",
+                   disable=not use_tqdm, dynamic_ncols=True)
+        num_open = {parent: len(results[parent].outputs) for parent in order}
+        with bar:
+            while self.engine.has_unfinished_requests or processor.seqs:
+                step = self.engine.step()
+                to_abort = []
+                for out in step.outputs:
+                    delta, must_abort = processor.process(out)
+                    if delta is None:
+                        continue
+                    result = results[delta.parent_id]
+                    result.num_cached_tokens = max(result.num_cached_tokens,
+                                                   out.num_cached_tokens)
+                    if must_abort:
+                        to_abort.append(out.request_id)
+                    if delta.finish_reason is not None:
+                        num_open[delta.parent_id] -= 1
+                        if not num_open[delta.parent_id]:
+                            bar.update(1)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                if not step.outputs and not self.engine.has_unfinished_requests:
+                    break
         return [results[parent] for parent in order]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         # The template already holds every special token, so nothing more is added.
@@ -140,7 +171,7 @@ class LLM:
                    for text in (self.tokenizer.apply_chat_template(
                        c, tokenize=False, add_generation_prompt=add_generation_prompt)
                        for c in conversations)]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

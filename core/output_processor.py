@@ -39,6 +39,8 @@ class SeqDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     error: str | None = None
+    queue_time_s: float = 0.0  # on the first token's delta only (see EngineCoreOutput)
+    prefill_time_s: float = 0.0
 
 
 def child_id(parent_id: str, index: int) -> str:
@@ -114,7 +116,8 @@ class OutputProcessor:
                                                                       out.error)
             self.seqs.pop(out.request_id, None)
         return SeqDelta(seq.parent_id, seq.index, text, list(out.new_token_ids), logprobs,
-                        finish_reason, stop_reason, out.error), must_abort
+                        finish_reason, stop_reason, out.error, out.queue_time_s,
+                        out.prefill_time_s), must_abort
 
     def _logprobs(self, out: EngineCoreOutput) -> list[dict[int, TokenLogprob]]:
         if out.logprobs is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from bastion.ipc.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
 
@@ -45,6 +46,8 @@ class Request:
         self.block_hashes: list[int] = []  # chain hashes of this request's full blocks
         self.num_preemptions = 0
         self.pending_logprobs: list[Logprobs] = []
+        self.queued_time = time.monotonic()  # when the engine got it (metrics)
+        self.scheduled_time: float | None = None  # when it was first scheduled
         # Prompt plus max_tokens; the scheduler lowers it to its max_model_len on admission.
         max_tokens = params.max_tokens
         self.max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None

@@ -43,6 +43,8 @@ class Scheduler:
         self.finished_ids: list[str] = []  # to tell the workers next step
         self.rejected: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.iteration_tokens: list[int] = []  # per step since the last stats report
+        self.num_blocks = num_blocks
         self.step_id = 0
         # The requests each step still in flight scheduled, by step id: an update applies a
         # token only to the very request its step ran (an id may be reused in between).
@@ -167,6 +169,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = computed.num_tokens
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             self.running.append(request)
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
@@ -185,6 +189,7 @@ class Scheduler:
         self.step_id += 1
         if scheduled:
             self.scheduled[self.step_id] = scheduled
+            self.iteration_tokens.append(sum(num_scheduled.values()))
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                               sum(num_scheduled.values()), self.finished_ids, self.step_id)
         self.finished_ids = []
@@ -234,10 +239,14 @@ class Scheduler:
             # when the step computed it, and its recompute will include it.
             request.append_output_token(token_id)
             self._check_stop(request, token_id)
-            outputs.append(EngineCoreOutput(
+            output = EngineCoreOutput(
                 request_id, [token_id], request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0),
-                logprobs_rows[i] if i < len(logprobs_rows) else None))
+                logprobs_rows[i] if i < len(logprobs_rows) else None)
+            if len(request.output_token_ids) == 1 and request.scheduled_time is not None:
+                output.queue_time_s = request.scheduled_time - request.queued_time
+                output.prefill_time_s = time.monotonic() - request.scheduled_time
+            outputs.append(output)
             if request.status == RequestStatus.FINISHED:
                 self._remove(request)
         outputs.extend(self.expire_deadlines())
@@ -284,6 +293,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
                                self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
-                               self.step_id)
+                               self.step_id, self.iteration_tokens, self.num_blocks)
         self.kv.prefix_queries = self.kv.prefix_hits = self.num_preemptions = 0
+        self.iteration_tokens = []
         return stats

@@ -151,6 +151,10 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: Logprobs | None = None
     error: str | None = None
+    # On the output with a request's first token only (metrics): seconds from its arrival at
+    # the engine to its first scheduling, and from there to this token.
+    queue_time_s: float = 0.0
+    prefill_time_s: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -161,6 +165,8 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # since the last report
     step_counter: int = 0
+    iteration_tokens: list[int] = []  # tokens of each step scheduled since the last report
+    num_gpu_blocks: int = 0  # the KV block pool's size
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):
@@ -282,6 +288,7 @@ class Failure(msgspec.Struct, **_WIRE):
     role: str
     rank: int
     message: str
+    is_user_error: bool = False  # a ConfigError: the message alone says what to change
 
 
 class WorkerCall(msgspec.Struct, **_WIRE):

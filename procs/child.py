@@ -14,7 +14,7 @@ import traceback
 import msgspec
 import zmq
 
-from bastion.core.config import EngineConfig
+from bastion.core.config import ConfigError, EngineConfig
 from bastion.ipc.codec import encode
 from bastion.ipc.messages import Failure
 from bastion.procs.lifecycle import child_handshake, die_with_parent, set_process_title
@@ -49,6 +49,15 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"unknown role {role!r}")
     except SystemExit:
         raise
+    except ConfigError as exc:
+        # NOTE: not logged here: the message travels up to `bastion serve`, which prints it as
+        # its one line (a start-up that cannot fit max_model_len, for example).
+        logging.getLogger(title).debug("%s failed", title, exc_info=True)
+        try:
+            handshake.send_multipart(encode(Failure(role, rank, str(exc), is_user_error=True)))
+        except zmq.ZMQError:
+            pass
+        sys.exit(1)
     except BaseException as exc:
         logging.getLogger(title).exception("%s failed", title)
         try:

@@ -24,7 +24,7 @@ import traceback
 import torch
 import zmq
 
-from bastion.core.config import EngineConfig
+from bastion.core.config import ConfigError, EngineConfig
 from bastion.core.engine_core import EngineCore
 from bastion.core.loader import get_max_model_len, resolve_model
 from bastion.ipc.codec import MsgKind, decode, encode
@@ -311,7 +311,8 @@ def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
         core = EngineCore(config, executor, max_model_len, engine_id)
     except Exception as exc:
         executor.shutdown()
-        handshake.send_multipart(encode(Failure("engine", engine_id, str(exc))))
+        handshake.send_multipart(encode(Failure("engine", engine_id, str(exc),
+                                                is_user_error=isinstance(exc, ConfigError))))
         raise SystemExit(1) from exc
     proc = EngineProc(core, executor, config, ctx, info.addresses)
     if start_paused:

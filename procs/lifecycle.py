@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from bastion.core.config import ConfigError
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.messages import Failure, HandshakeInfo, Hello, Ready
 
@@ -127,16 +128,19 @@ class HandshakeServer:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         while len(ready) < len(children):
-            for child in children:
-                if child.rank not in ready and not child.is_alive():
-                    raise StartupError(f"{child.title} exited with code {child.proc.returncode} "
-                                       "during start-up (see its log above)")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = [c.title for c in children if c.rank not in ready]
                 raise StartupError(f"{', '.join(missing)} did not become ready within "
                                    f"{timeout_s:.0f} s")
             if not poller.poll(min(remaining, 0.2) * 1000):
+                # NOTE: only once nothing is pending: a child that failed sent its FAILURE
+                # before it exited, and that message says more than its exit code.
+                for child in children:
+                    if child.rank not in ready and not child.is_alive():
+                        raise StartupError(f"{child.title} exited with code "
+                                           f"{child.proc.returncode} during start-up (see its "
+                                           "log above)")
                 continue
             identity, *frames = self.socket.recv_multipart()
             kind, msg = decode(frames)
@@ -149,6 +153,8 @@ class HandshakeServer:
             elif kind == MsgKind.FAILURE:
                 assert isinstance(msg, Failure)
                 name = by_rank[msg.rank].title if msg.rank in by_rank else msg.role
+                if msg.is_user_error:
+                    raise ConfigError(msg.message)
                 raise StartupError(f"{name} failed to start: {msg.message}")
         return ready
 

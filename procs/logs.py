@@ -79,6 +79,18 @@ def setup_logging(level: str | int = "INFO", stream: IO[str] | None = None) -> l
     return handler
 
 
+def console_logging(level: int = logging.INFO) -> None:
+    """Show bastion's log lines (load phases, bars) on stderr when the program has set up no
+    logging of its own (``LLM(...)`` in a script); a program that has keeps its own."""
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(level)
+
+
 def progress(iterable: Iterable[T], total: int | None = None, desc: str = "",
              stream: IO[str] | None = None) -> Iterator[T]:
     """Yield from ``iterable``, reporting progress: a bar redrawn in place on a terminal, and

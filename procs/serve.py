@@ -1,7 +1,8 @@
 """``bastion serve``: the API process (``bastion::api``) and the life of the whole server.
 
-Start-up: resolve the model and tokenizer, start the engine processes (each starts its
-workers), then serve HTTP on uvloop. SIGTERM/SIGINT: stop admitting, drain in-flight requests
+Start-up: check the flags and that the port is free (a user error ends here, in a second,
+before anything loads), resolve the model and tokenizer, start the engine processes (each
+starts its workers), then serve HTTP on uvloop. SIGTERM/SIGINT: stop admitting, drain in-flight requests
 up to ``--drain-timeout``, stop the engines, exit 0; a second signal stops at once.
 """
 
@@ -9,15 +10,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import time
 
 from aiohttp import web
 
-from bastion.core.config import build_engine_config
-from bastion.core.loader import get_max_model_len, load_tokenizer, resolve_model
+from bastion.api.config import ApiConfig
+from bastion.core.config import EngineConfig, build_engine_config
+from bastion.core.loader import (
+    ResolvedModel,
+    get_max_model_len,
+    load_generation_defaults,
+    load_tokenizer,
+    resolve_model,
+)
+from bastion.core.loader.embedded import EMBEDDED_HF_ID, EMBEDDED_NAME
 from bastion.procs.engine_client import AsyncEngineClient
 from bastion.procs.lifecycle import make_runtime_dir, remove_runtime_dir, set_process_title
 from bastion.procs.logs import setup_logging
@@ -35,30 +47,78 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish on SIGTERM")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--metrics-prefix", default="bastion",
+                        help="prefix of the /metrics series; vllm serves vLLM's names "
+                             "(vllm:num_requests_waiting, ...) for its dashboards")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from bastion.procs.cli import engine_kwargs
+    from bastion.procs.cli import UserError, engine_kwargs, no_effect_notes
 
     setup_logging(args.log_level)
+    for note in no_effect_notes(args):
+        logger.info(note)
     set_process_title("bastion::api")
-    kwargs = engine_kwargs(args)
-    if args.model_tag and not kwargs.get("model"):
-        kwargs["model"] = args.model_tag
+    config = build_engine_config("serve", **engine_kwargs(args))
+    api_config = ApiConfig(host=args.host, port=args.port, api_key=args.api_key,
+                           admin_key=args.admin_key, metrics_prefix=args.metrics_prefix,
+                           enable_fault_injection=args.enable_fault_injection)
+    error = port_in_use(args.host, args.port)
+    if error is not None:
+        raise UserError(error)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         logger.warning("uvloop is not installed; using asyncio's default loop")
-    return asyncio.run(Server(args, kwargs).run())
+    return asyncio.run(Server(args, config, api_config).run())
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served (taken, or no such address), or None when it can.
+
+    NOTE: checked before the model loads, so a taken port costs a second, not a load; the
+    port can still be taken in between, and then the bind after loading fails."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"--host {host!r} is not an address of this machine ({exc.strerror})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        # As aiohttp binds: SO_REUSEADDR, so a port in TIME_WAIT counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"port {port} on {host} is already in use (another server?); "
+                        "stop it or pick another --port")
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return None
+
+
+def served_model_names(config: EngineConfig, resolved: ResolvedModel) -> tuple[str, ...]:
+    """The names clients may send as ``model``, the one answers carry first.
+
+    ``--served-model-name`` when given; else the model's file or folder name, with the path
+    as given (vLLM's default name) as an alias. The embedded model is SmolLM2-135M-Instruct,
+    also under its GGUF file name (bastion's earlier name) and its Hugging Face id."""
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    if config.model.model is None:
+        names = (EMBEDDED_NAME, os.path.basename(resolved.path), EMBEDDED_HF_ID)
+    else:
+        names = (os.path.basename(os.path.normpath(resolved.path)), config.model.model)
+    return tuple(dict.fromkeys(names))
 
 
 class Server:
-    def __init__(self, args: argparse.Namespace, engine_kwargs: dict) -> None:
+    def __init__(self, args: argparse.Namespace, config: EngineConfig,
+                 api_config: ApiConfig) -> None:
         self.args = args
-        self.engine_kwargs = engine_kwargs
+        self.config = config
+        self.api_config = api_config
         # Children must not inherit NOTIFY_SOCKET: only this process speaks to systemd.
         self.notifier = Notifier(unset_environment=True)
         self.stop_event = asyncio.Event()
@@ -83,11 +143,13 @@ class Server:
         t0 = time.perf_counter()
         watchdog = loop.create_task(ping_watchdog(self.notifier, self._is_making_progress))
         self.notifier.status("loading")
-        config = build_engine_config(**self.engine_kwargs)
+        config = self.config
         resolved = resolve_model(config.model)
         max_model_len = get_max_model_len(resolved.hf_config, config.model.max_model_len)
         tokenizer = load_tokenizer(config.model, resolved)
-        model_name = config.model.served_model_name or os.path.basename(resolved.path)
+        self.model_names = served_model_names(config, resolved)
+        self.generation_defaults = load_generation_defaults(config.model, resolved)
+        model_name = self.model_names[0]
         runtime_dir = make_runtime_dir()
         client = AsyncEngineClient(config, tokenizer, model_name, max_model_len,
                                    tokenizer.eos_token_id, runtime_dir)
@@ -135,17 +197,18 @@ class Server:
         return client.children_alive() and client.fatal is None and client.is_progressing()
 
     def _build_app(self, client: AsyncEngineClient) -> web.Application:
-        from bastion.api.server import ApiConfig, build_app
+        from bastion.api.server import build_app
 
-        api_config = ApiConfig(host=self.args.host, port=self.args.port,
-                               api_key=self.args.api_key, admin_key=self.args.admin_key,
-                               served_model_name=client.model_name,
-                               enable_fault_injection=self.args.enable_fault_injection)
+        api_config = dataclasses.replace(self.api_config, served_model_name=client.model_name,
+                                         model_aliases=self.model_names[1:],
+                                         generation_defaults=self.generation_defaults)
         app = build_app(client, api_config, ft_handler=client)
         from bastion.api.server import METRICS_KEY
 
-        client.on_stats = app[METRICS_KEY].observe_scheduler_stats
-        client.on_status = app[METRICS_KEY].observe_statuses
+        metrics = app[METRICS_KEY]
+        metrics.set_cache_config(self.config.cache)
+        client.on_stats = metrics.observe_scheduler_stats
+        client.on_status = metrics.observe_statuses
         return app
 
     def _phase(self, client: AsyncEngineClient) -> str:
@@ -160,7 +223,7 @@ class Server:
         while not self.stop_event.is_set():
             try:
                 await asyncio.wait_for(self.stop_event.wait(), timeout=0.25)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if self._phase(client) != phase:
                 phase = self._phase(client)

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from bastion.api.config import METRICS_KEY, STATE_KEY
+from bastion.api.config import METRICS_KEY, STATE_KEY, ApiConfigError
 from bastion.api.server import ApiConfig, build_app
+from bastion.core.config import CacheConfig
 from bastion.core.output_processor import OutputProcessor, fan_out
 from bastion.ipc.messages import (
     EngineCoreOutput,
@@ -91,8 +92,10 @@ class FakeStream:
             top = [token + k for k in range(params.logprobs)]
             logprobs = Logprobs([[token] + top], [[-0.25] + [-0.25 - k for k in range(len(top))]],
                                 [1])
+        # As the engine does: the first output carries the queue and prefill times.
         return EngineCoreOutput(cid, [token], finish, num_cached_tokens=NUM_CACHED_TOKENS,
-                                logprobs=logprobs)
+                                logprobs=logprobs, queue_time_s=0.25 if step == 0 else 0.0,
+                                prefill_time_s=0.5 if step == 0 else 0.0)
 
     async def abort(self) -> None:
         self.engine.aborted.append(self.request_id)
@@ -520,26 +523,89 @@ def _sample(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-async def test_metrics(serve, tokenizer):
-    http, _ = await serve()
-    await http.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 4})
+@pytest.mark.parametrize("prefix", ["bastion", "vllm"])
+async def test_metrics(serve, tokenizer, prefix):
+    http, engine = await serve(ApiConfig(metrics_prefix=prefix))
+    engine.stats[0].iteration_tokens = [7, 300]
+    engine.stats[0].num_gpu_blocks = engine.stats[1].num_gpu_blocks = 182
+    http.server.app[METRICS_KEY].set_cache_config(CacheConfig(block_size=32))
+    await http.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 4, "n": 2})
     text = await (await http.get("/metrics")).text()
-    assert _sample(text, "bastion:num_requests_running") == 3
-    assert _sample(text, "bastion:num_requests_waiting") == 1
-    assert _sample(text, "bastion:kv_cache_usage_perc") == 0.375
-    assert _sample(text, "bastion:prefix_cache_queries_total") == 110
-    assert _sample(text, "bastion:prefix_cache_hits_total") == 45
-    assert _sample(text, "bastion:num_preemptions_total") == 1
-    assert _sample(text, "bastion:prompt_tokens_total") == len(tokenizer.encode("Hi there"))
-    assert _sample(text, "bastion:generation_tokens_total") == 4
-    assert 'bastion:request_success_total{finished_reason="length",model_name="smollm2"} 1.0' \
+    num_prompt_tokens = len(tokenizer.encode("Hi there"))
+    p = prefix
+    assert _sample(text, f"{p}:num_requests_running") == 3
+    assert _sample(text, f"{p}:num_requests_waiting") == 1
+    assert _sample(text, f"{p}:kv_cache_usage_perc") == 0.375
+    assert _sample(text, f"{p}:gpu_cache_usage_perc") == 0.375  # vLLM's older name
+    assert _sample(text, f"{p}:prefix_cache_queries_total") == 110
+    assert _sample(text, f"{p}:prefix_cache_hits_total") == 45
+    assert _sample(text, f"{p}:num_preemptions_total") == 1
+    assert _sample(text, f"{p}:prompt_tokens_total") == num_prompt_tokens
+    assert _sample(text, f"{p}:generation_tokens_total") == 8
+    assert f'{p}:request_success_total{{finished_reason="length",model_name="smollm2"}} 2.0' \
         in text
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds"):
-        assert _sample(text, f"bastion:{name}_count") >= 1
+    # One observation per request, per choice or per token, as vLLM counts them.
+    counts = {"time_to_first_token_seconds": 2, "inter_token_latency_seconds": 6,
+              "time_per_output_token_seconds": 6, "request_time_per_output_token_seconds": 2,
+              "e2e_request_latency_seconds": 1, "request_queue_time_seconds": 2,
+              "request_prefill_time_seconds": 2, "request_decode_time_seconds": 2,
+              "request_inference_time_seconds": 2, "request_prompt_tokens": 1,
+              "request_generation_tokens": 2, "request_max_num_generation_tokens": 1,
+              "request_params_n": 1, "request_params_max_tokens": 1,
+              "iteration_tokens_total": 2}
+    for name, count in counts.items():
+        assert _sample(text, f"{p}:{name}_count") == count, name
+    assert _sample(text, f"{p}:request_queue_time_seconds_sum") == 0.5
+    assert _sample(text, f"{p}:request_prefill_time_seconds_sum") == 1.0
+    assert _sample(text, f"{p}:request_prompt_tokens_sum") == num_prompt_tokens
+    assert _sample(text, f"{p}:request_generation_tokens_sum") == 8
+    assert _sample(text, f"{p}:request_params_n_sum") == 2
+    assert _sample(text, f"{p}:request_params_max_tokens_sum") == 4
+    assert _sample(text, f"{p}:iteration_tokens_total_sum") == 307
+    assert f'{p}:iteration_tokens_total_bucket{{le="8.0",model_name="smollm2"}} 1.0' in text
+    info = re.search(rf"^{p}:cache_config_info{{(.*)}} 1.0$", text, re.MULTILINE)
+    assert info and 'block_size="32"' in info[1] and 'num_gpu_blocks="182"' in info[1]
+    assert 'cache_dtype="auto"' in info[1] and 'enable_prefix_caching="True"' in info[1]
+    other = "vllm" if prefix == "bastion" else "bastion"
+    assert f"{other}:" not in text
     # A second scrape of the same engine reports adds nothing to the counters.
     text = await (await http.get("/metrics")).text()
-    assert _sample(text, "bastion:prefix_cache_queries_total") == 110
+    assert _sample(text, f"{p}:prefix_cache_queries_total") == 110
+    assert _sample(text, f"{p}:iteration_tokens_total_count") == 2
+
+
+def test_metrics_prefix_must_be_a_prometheus_name():
+    with pytest.raises(ApiConfigError, match="metrics_prefix must be a Prometheus name"):
+        ApiConfig(metrics_prefix="vllm:x")
+
+
+async def test_model_aliases_are_accepted_and_answers_carry_the_first_name(serve):
+    http, _ = await serve(ApiConfig(served_model_name="SmolLM2-135M-Instruct",
+                                    model_aliases=("SmolLM2-135M-Instruct.Q4_1.gguf",)))
+    models = (await (await http.get("/v1/models")).json())["data"]
+    assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct",
+                                         "SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert {m["root"] for m in models} == {"SmolLM2-135M-Instruct"}
+    for name in ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"):
+        resp = await http.post("/v1/completions", json={"model": name, "prompt": "x",
+                                                        "max_tokens": 1})
+        assert resp.status == 200 and (await resp.json())["model"] == "SmolLM2-135M-Instruct"
+    resp = await http.post("/v1/completions", json={"model": "smollm2", "prompt": "x"})
+    assert resp.status == 404
+
+
+async def test_generation_defaults_fill_only_what_a_request_leaves_out(serve):
+    defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 5}
+    http, engine = await serve(ApiConfig(generation_defaults=defaults))
+    await http.post("/v1/completions", json={"prompt": "x"})
+    await http.post("/v1/completions", json={"prompt": "x", "temperature": 0.0, "top_k": 0,
+                                             "max_tokens": 2})
+    await http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3})
+    first, second, chat = (params for _, _, params, _ in engine.requests)
+    assert (first.temperature, first.top_k, first.max_tokens) == (0.6, 20, 5)
+    assert (second.temperature, second.top_k, second.max_tokens) == (0.0, 0, 2)
+    assert (chat.temperature, chat.max_tokens) == (0.6, 3)
 
 
 async def test_metrics_observe_counts_each_report_once(serve):

@@ -9,6 +9,8 @@ from bastion.ipc.messages import EngineState, EngineStatus
 
 
 class _NoClient:
+    max_model_len = 2048
+
     def scheduler_stats(self) -> list:
         return []
 

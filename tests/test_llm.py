@@ -194,3 +194,21 @@ def test_max_model_len_that_cannot_fit_fails_at_start_up():
     with pytest.raises(ConfigError, match=r"max_model_len 2048 needs .* the largest "
                                           r"max_model_len that fits is 256"):
         LLM(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=46080 * 16 * 16)
+
+
+def test_use_tqdm_shows_a_bar_of_finished_prompts(llm, capsys):
+    llm.generate(RAW_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=2, n=2))
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err
+    llm.generate(RAW_PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_generate_without_params_uses_the_generation_config(llm, monkeypatch):
+    assert llm.generation_defaults == {}  # the embedded GGUF has no generation_config.json
+    monkeypatch.setattr(llm, "generation_defaults", {"temperature": 0.0, "max_tokens": 3})
+    out = llm.generate(RAW_PROMPTS[0], use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3
+    greedy = llm.generate(RAW_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy.token_ids

@@ -248,3 +248,18 @@ def test_prompt_over_the_budget_without_chunked_prefill_is_rejected():
     assert rejected.request_id == "a" and rejected.finish_reason == FinishReason.ERROR
     assert "chunked prefill off" in rejected.error and "at most 8" in rejected.error
     assert s.schedule().num_scheduled_tokens == {"b": 8}
+
+
+def test_first_output_carries_queue_and_prefill_time_and_stats_the_step_sizes(monkeypatch):
+    clock = iter([100.0, 101.5, 104.0, 105.0])  # queued, first scheduled, first token, ...
+    monkeypatch.setattr("bastion.core.request.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("bastion.core.scheduler.time.monotonic", lambda: next(clock))
+    s = make_scheduler(budget=10)
+    s.add_request(req("a", 6, max_tokens=2))
+    _, first = run_step(s)
+    _, second = run_step(s)
+    assert (first[0].queue_time_s, first[0].prefill_time_s) == (1.5, 2.5)
+    assert (second[0].queue_time_s, second[0].prefill_time_s) == (0.0, 0.0)
+    stats = s.make_stats()
+    assert stats.iteration_tokens == [6, 1] and stats.num_gpu_blocks == 16
+    assert s.make_stats().iteration_tokens == []  # deltas: each step is reported once

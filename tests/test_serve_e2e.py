@@ -8,6 +8,7 @@ token for token (as text) against the offline ``LLM`` running in this process.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 
@@ -103,7 +104,10 @@ IGNORE_EOS = {"ignore_eos": True}
 
 def test_list_models(client: openai.OpenAI) -> None:
     models = client.models.list().data
-    assert [m.id for m in models] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    # The served name first; the GGUF file name (the name earlier versions served) and the
+    # Hugging Face id stay accepted.
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                      "HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert models[0].object == "model"
 
 
@@ -241,6 +245,20 @@ def test_concurrent_streams_match_offline(server: ServerProcess, model_name: str
     results = asyncio.run(main())
     expected = [(reference_texts[i % len(PROMPTS)], "length") for i in range(64)]
     assert results == expected
+
+
+def test_engine_timings_and_cache_config_reach_metrics(client: openai.OpenAI,
+                                                      server: ServerProcess) -> None:
+    client.completions.create(model="SmolLM2-135M-Instruct.Q4_1.gguf", prompt=PROMPTS[1],
+                              max_tokens=3, temperature=0)
+    m = server.metrics()
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "iteration_tokens_total"):
+        assert m[f"bastion:{name}_count"] >= 1, name
+    assert m["bastion:request_prefill_time_seconds_sum"] > 0
+    _, body = server.get("/metrics")
+    info = re.search(r"^bastion:cache_config_info{(.*)} 1.0$", body.decode(), re.MULTILINE)
+    assert info and 'num_gpu_blocks="364"' in info[1] and 'block_size="16"' in info[1]
 
 
 def _wait_for_idle_engine(server: ServerProcess, timeout_s: float) -> dict[str, float]:

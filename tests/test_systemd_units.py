@@ -4,6 +4,7 @@ will build from them and the example env file, and (where systemd-analyze exists
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -215,3 +216,62 @@ def test_unit_command_lines_parse_with_the_bastion_cli():
     assert (args.data_parallel_rank, args.data_parallel_size) == (1, 2)
     assert (args.data_parallel_address, args.data_parallel_rpc_port) == ("10.0.0.1", 29550)
     assert args.port == 8003  # the rank's port, not the --port 8000 inside BASTION_ARGS
+
+
+def run_install_units(tmp_path: Path, *extra: str) -> tuple[Path, Path]:
+    """``bastion install-units`` into ``tmp_path`` (units in units/, the env file in etc/)."""
+    from bastion.procs.cli import parse_args
+
+    units, etc = tmp_path / "units", tmp_path / "etc"
+    args = parse_args(["install-units", "--dest", str(units), "--env-dir", str(etc), *extra])
+    args.func(args)
+    return units, etc
+
+
+def test_install_units_runs_this_environments_bastion(tmp_path, capsys):
+    from bastion.procs.units import default_binary
+
+    units, etc = run_install_units(tmp_path)
+    binary = default_binary()
+    assert binary.parent == Path(sys.executable).parent and os.access(binary, os.X_OK)
+    single_unit = parse_unit((units / "bastion.service").read_text())
+    assert single(single_unit, "Service", "ExecStart") == f"{binary} serve $BASTION_ARGS"
+    assert single_unit["Service"]["EnvironmentFile"] == [f"-{etc}/bastion.env"]
+    template = parse_unit((units / "bastion@.service").read_text())
+    assert single(template, "Service", "ExecStart").startswith(f"{binary} serve $BASTION_ARGS")
+    assert template["Service"]["EnvironmentFile"] == [f"-{etc}/bastion.env",
+                                                      f"{etc}/bastion-%i.env"]
+    assert (etc / "bastion.env").read_text() == ENV_EXAMPLE.read_text()
+    assert (etc / "bastion.env").stat().st_mode & 0o777 == 0o640
+    assert "systemctl daemon-reload && systemctl enable --now bastion" in capsys.readouterr().out
+    # A second run rewrites the units but keeps the operator's edited environment file.
+    (etc / "bastion.env").write_text('BASTION_ARGS="--port 9000"\n')
+    run_install_units(tmp_path)
+    assert (etc / "bastion.env").read_text() == 'BASTION_ARGS="--port 9000"\n'
+
+
+def test_install_units_refuses_a_missing_binary(tmp_path, capsys):
+    from bastion.procs.cli import main
+
+    assert main(["install-units", "--dest", str(tmp_path), "--bin",
+                 str(tmp_path / "bastion")]) == 2
+    assert capsys.readouterr().err == (f"bastion: error: {tmp_path / 'bastion'} is not an "
+                                       "executable bastion; install the project "
+                                       "(scripts/setup.sh) or pass --bin\n")
+
+
+def test_a_binary_under_a_home_folder_is_left_readable():
+    from bastion.procs.units import render_unit
+
+    text = render_unit(SINGLE.read_text(), "/home/ops/bastion/.venv/bin/bastion", "/etc/bastion")
+    unit = parse_unit(text)
+    assert single(unit, "Service", "ProtectHome") == "read-only"
+    text = render_unit(SINGLE.read_text(), "/opt/bastion/.venv/bin/bastion", "/etc/bastion")
+    assert single(parse_unit(text), "Service", "ProtectHome") == "yes"
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed")
+def test_installed_units_pass_systemd_analyze_verify(tmp_path):
+    units, _ = run_install_units(tmp_path)
+    assert verify(units, "bastion.service") == (0, [])
+    assert verify(units, "bastion@0.service") == (0, [])

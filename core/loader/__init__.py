@@ -6,6 +6,7 @@ Entry points: ``resolve_model`` (what to load), ``load_model``, ``load_tokenizer
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -13,7 +14,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from bastion.core.config import ConfigError, ModelConfig
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from bastion.core.config import ConfigError, ModelConfig, is_inline_template
 from bastion.core.loader.dummy import init_dummy_weights
 from bastion.core.loader.embedded import embedded_gguf_path
 from bastion.core.loader.gguf_loader import ensure_converted, is_gguf_file
@@ -21,8 +25,6 @@ from bastion.core.loader.hf_loader import count_safetensors, iter_safetensors, l
 from bastion.core.loader.tokenizer import load_tokenizer_from
 from bastion.core.models.registry import get_model_class
 from bastion.procs.logs import progress
-from torch import nn
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +84,48 @@ def load_model(model_config: ModelConfig, resolved: ResolvedModel) -> nn.Module:
 
 
 def load_tokenizer(model_config: ModelConfig, resolved: ResolvedModel) -> PreTrainedTokenizerBase:
-    """``model_config.tokenizer`` when given; else the model's own (GGUF: from its metadata)."""
+    """``model_config.tokenizer`` when given; else the model's own (GGUF: from its metadata).
+    ``model_config.chat_template`` (a file or the template) replaces the tokenizer's own."""
     source = model_config.tokenizer or weights_folder(resolved)
-    return load_tokenizer_from(source)
+    tokenizer = load_tokenizer_from(source)
+    template = model_config.chat_template
+    if template is not None:
+        if not is_inline_template(template):
+            template = Path(template).read_text()
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+# generation_config.json keys that become default sampling parameters, as vLLM takes them.
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                    "max_new_tokens": "max_tokens"}
+
+
+def load_generation_defaults(model_config: ModelConfig, resolved: ResolvedModel
+                             ) -> dict[str, float | int]:
+    """Default sampling parameters from generation_config.json (``--generation-config``):
+    ``auto`` reads the model's own folder, ``vllm`` none, any other value is a folder. Only the
+    keys the file sets count, by their SamplingParams names (``max_new_tokens`` -> max_tokens)."""
+    where = model_config.generation_config
+    if where == "vllm":
+        return {}
+    folder = weights_folder(resolved) if where == "auto" else Path(where)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if where != "auto":
+            raise ConfigError(f"generation_config: {path} does not exist")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"generation_config: {path} is not valid JSON ({exc})") from None
+    defaults = {name: data[key] for key, name in _GENERATION_KEYS.items()
+                if data.get(key) is not None}
+    if defaults:
+        logger.info("default sampling parameters from %s: %s (--generation-config vllm "
+                    "ignores them)", path, defaults)
+    return defaults
 
 
 def get_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
@@ -107,6 +148,7 @@ __all__ = [
     "ResolvedModel",
     "embedded_gguf_path",
     "get_max_model_len",
+    "load_generation_defaults",
     "load_model",
     "load_tokenizer",
     "resolve_model",

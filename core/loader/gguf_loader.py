@@ -83,6 +83,8 @@ def ensure_converted(path: str) -> Path:
     if (target / _COMPLETE_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting GGUF %s on its first use (cached under %s afterwards)", path,
+                target.parent)
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
