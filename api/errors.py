@@ -31,6 +31,7 @@ _ERROR_TYPES = {
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    504: "DeadlineExceededError",  # only ever a passed request deadline (code deadline_exceeded)
 }
 
 

@@ -74,8 +74,11 @@ class Run:
 
     async def _merged(self) -> AsyncIterator[tuple[int, SeqDelta]]:
         if len(self.streams) == 1:
-            async for delta in self.streams[0]:
-                yield 0, delta
+            # aclosing: a reader that stops early closes the stream's iterator now, not
+            # whenever the garbage collector finalizes it.
+            async with contextlib.aclosing(aiter(self.streams[0])) as deltas:
+                async for delta in deltas:
+                    yield 0, delta
             self._finished_streams.add(0)
             return
         queue: asyncio.Queue[tuple[int, SeqDelta | BaseException | None]] = asyncio.Queue()
@@ -150,9 +153,19 @@ async def submit(client: EngineClient, metrics: ApiMetrics, request_id: str, mod
     return Run(request_id, model, req, streams, tracker, client.tokenizer)
 
 
+# Finish reasons that fail the whole request.
+FAILED = ("error", "abort", "timeout")
+
+
 def failure(client: EngineClient, delta: SeqDelta) -> ApiError:
-    """The error for a choice that ended in ``error`` or ``abort``: 503 while the engines are
-    not all healthy (a recovery case: retrying later can work), 500 otherwise."""
+    """The error for a choice that ended in ``error``, ``abort`` or ``timeout``: 504 for a
+    passed deadline, 503 while the engines are not all healthy (a recovery case: retrying
+    later can work), 500 otherwise."""
+    if delta.finish_reason == "timeout":
+        # NOTE: x-should-retry: the OpenAI SDKs retry every 5xx unless told not to, and a
+        # retry of a request whose deadline passed can only pass its deadline again.
+        return ApiError(504, delta.error or "The request's deadline passed",
+                        "timeout", "deadline_exceeded", headers={"x-should-retry": "false"})
     if delta.finish_reason == "abort":
         message = delta.error or "The request was aborted by the server"
         return ApiError(503, message, code="request_aborted", headers={"Retry-After": "1"})
@@ -177,7 +190,7 @@ async def collect(client: EngineClient, run: Run) -> list[Choice]:
     try:
         async with contextlib.aclosing(run.deltas()) as deltas:
             async for _, delta in deltas:
-                if delta.finish_reason in ("error", "abort"):
+                if delta.finish_reason in FAILED:
                     await run.abort()
                     raise failure(client, delta)
     except BaseException:
@@ -205,7 +218,7 @@ async def stream_sse(request: web.Request, client: EngineClient, run: Run,
             await response.write(sse_event(chunk))
         async with contextlib.aclosing(run.deltas()) as deltas:
             async for choice, delta in deltas:
-                if delta.finish_reason in ("error", "abort"):
+                if delta.finish_reason in FAILED:
                     await run.abort()
                     error = failure(client, delta)
                     await response.write(sse_event(error_body(error.status, error.message,

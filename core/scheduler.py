@@ -258,9 +258,9 @@ class Scheduler:
         outputs = []
         for request in expired:
             error = "the request's deadline passed before it could complete"
-            request.finish(FinishReason.ERROR, error=error)
+            request.finish(FinishReason.TIMEOUT, error=error)
             self._remove(request)
-            outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
+            outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.TIMEOUT,
                                             error=error))
         return outputs
 

@@ -370,11 +370,23 @@ _LONG = " ".join(["word"] * 80)
      "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs", None),
+    # The bounds on stop strings (ApiConfig.max_stop_strings, max_stop_len, ...).
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 65}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop": "s" * 257}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids",
+     None),
+    # What a decoder can raise beyond a syntax error.
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000, 400, None, None),
+    ("/v1/completions", b'{"prompt": "x", "n": 1' + b"0" * 40 + b"}", 400, "n", None),
+    ("/v1/completions", b'{"prompt": "x", "seed": -1' + b"0" * 40 + b"}", 400, "seed", None),
+    ("/v1/completions", b'{"prompt": [1' + b"0" * 40 + b"]}", 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, None, None),
+    ("/v1/completions", b"\xff\xfe", 400, None, None),
 ])
 async def test_bad_requests_never_reach_the_engine(serve, path, body, status, param, code):
     http, engine = await serve()
     if isinstance(body, bytes):
-        resp = await http.post(path, data=body)
+        resp = await http.post(path, data=body, headers={"Content-Type": "application/json"})
     else:
         resp = await http.post(path, json=body)
     assert resp.status == status
@@ -403,7 +415,8 @@ async def test_context_length_messages_name_the_limit(serve):
 
 async def test_http_errors_in_openai_shape(serve):
     http, _ = await serve(ApiConfig(max_body_bytes=2048))
-    resp = await http.post("/v1/completions", data=b'{"prompt": "' + b"x" * 4000 + b'"}')
+    resp = await http.post("/v1/completions", data=b'{"prompt": "' + b"x" * 4000 + b'"}',
+                           headers={"Content-Type": "application/json"})
     assert resp.status == 413
     assert (await resp.json())["error"]["code"] == "request_too_large"
     resp = await http.get("/v1/nothing")
@@ -581,10 +594,10 @@ async def test_fault_tolerance_routes(serve):
     assert resp.status == 400
     assert (await resp.json())["error"]["param"] == "instruction"
     resp = await http.post("/fault_tolerance/apply", json={"instruction": "reinit",
-                                                           "params": {"engine": 1}},
+                                                           "params": {}},
                            headers=auth)
     assert resp.status == 202 and (await resp.json())["request_id"] == "ft-1"
-    assert handler.calls == [("apply", "reinit", {"engine": 1})]
+    assert handler.calls == [("apply", "reinit", {})]
     resp = await http.get("/fault_tolerance/status", headers=auth)
     assert (await resp.json()) == {"engines": [{"engine_id": 0, "state": "healthy", "epoch": 3}]}
     resp = await http.post("/fault_tolerance/inject", json={"kind": "raise"}, headers=auth)
