@@ -24,6 +24,7 @@ _ERROR_TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     409: "ConflictError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",

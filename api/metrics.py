@@ -88,6 +88,9 @@ class ApiMetrics:
         self.recovery_seconds = series(Histogram, "engine_recovery_seconds",
                                        "From the fault being seen to the group healthy again.",
                                        buckets=_RECOVERY_BUCKETS)
+        self.api_table_entries = series(Gauge, "api_request_table_entries",
+                                        "Entries of the API process's per-request tables; 0 "
+                                        "when idle (anything else is a leak).", ("table",))
         self.model_name = model_name
         self._last_stats: dict[int, SchedulerStats] = {}
         self._fault_seen_at: float | None = None
@@ -135,6 +138,10 @@ class ApiMetrics:
         self.num_requests_waiting.labels(m).set(sum(s.num_waiting_reqs for s in all_stats))
         usage = sum(s.kv_cache_usage for s in all_stats) / len(all_stats) if all_stats else 0.0
         self.kv_cache_usage_perc.labels(m).set(usage)
+        table_sizes = getattr(self.client, "table_sizes", None)  # optional in EngineClient
+        if table_sizes is not None:
+            for table, size in table_sizes().items():
+                self.api_table_entries.labels(m, table).set(size)
 
     def render(self) -> bytes:
         self.refresh()

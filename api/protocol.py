@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from bastion.api.config import ApiConfig
+from bastion.api.config import CONFIG_KEY, ApiConfig
+from bastion.api.connections import with_idle_timeout
 from bastion.api.errors import ApiError, bad_request
 from bastion.ipc.messages import InvalidParam, SamplingParams
 
@@ -63,7 +64,11 @@ async def read_body(request: web.Request) -> bytes:
     """The raw JSON body of a POST: 415 for another media type, 400 when empty; aiohttp
     raises 413 past ``client_max_size``."""
     require_json_content_type(request)
-    raw = await request.read()
+    try:
+        raw = await with_idle_timeout(request.read(), request.app[CONFIG_KEY], "sending its body")
+    except TimeoutError as exc:
+        raise ApiError(408, f"Request body not received: {exc}", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     if not raw:
         raise bad_request("Request body is empty; send a JSON object")
     return raw

@@ -25,6 +25,7 @@ from bastion.api.config import (
     ApiConfig,
     ServerState,
 )
+from bastion.api.connections import serve
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import error_body, error_middleware
 from bastion.api.fault_tolerance import (
@@ -100,15 +101,12 @@ def build_app(client: EngineClient, config: ApiConfig,
     return app
 
 
-async def start_server(app: web.Application, config: ApiConfig) -> web.AppRunner:
-    """Bind ``config.host:config.port`` and serve; ``await runner.cleanup()`` stops it."""
-    # NOTE: handler_cancellation=True is what turns a client disconnect during a non-streamed
-    # request into a CancelledError in its handler, and so into an engine abort.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    return runner
+async def start_server(app: web.Application, config: ApiConfig,
+                       handle_signals: bool = False) -> web.AppRunner:
+    """Bind ``config.host:config.port`` and serve with the connection limits and timeouts of
+    ``config`` (api/connections.py); ``await runner.cleanup()`` stops it."""
+    return await serve(app, config, handle_signals)
 
 
-__all__ = ["STATE_KEY", "ApiConfig", "ServerState", "build_app", "set_fault_tolerance_handler",
+__all__ = ["CONFIG_KEY", "STATE_KEY", "ApiConfig", "ServerState", "build_app", "set_fault_tolerance_handler",
            "start_server"]

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
-from bastion.api.config import STATE_KEY
+from bastion.api.config import CONFIG_KEY, STATE_KEY
+from bastion.api.connections import with_idle_timeout
 from bastion.api.engine_protocol import EngineClient, RequestStream
 from bastion.api.errors import ApiError, error_body
 from bastion.api.metrics import ApiMetrics, RequestTracker
@@ -212,28 +213,39 @@ async def stream_sse(request: web.Request, client: EngineClient, run: Run,
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Request-Id": run.request_id})
+    if request.version < HttpVersion11:
+        # NOTE: HTTP/1.0 has no chunked encoding, and an event stream has no length up front:
+        # the only end of the body an HTTP/1.0 client can see is the close of the connection.
+        response.force_close()
+    config = request.app[CONFIG_KEY]
+
+    async def send(data: bytes) -> None:
+        # A client that stops reading fills the socket's buffer and would hold the request.
+        await with_idle_timeout(response.write(data), config, "reading the stream")
+
     try:
         await response.prepare(request)
         for chunk in formatter.start_chunks(run):
-            await response.write(sse_event(chunk))
+            await send(sse_event(chunk))
         async with contextlib.aclosing(run.deltas()) as deltas:
             async for choice, delta in deltas:
                 if delta.finish_reason in FAILED:
                     await run.abort()
                     error = failure(client, delta)
-                    await response.write(sse_event(error_body(error.status, error.message,
-                                                              None, error.code)))
+                    await send(sse_event(error_body(error.status, error.message, error.param,
+                                                    error.code)))
                     break
                 chunk = formatter.chunk(run, choice, delta)
                 if chunk is not None:
-                    await response.write(sse_event(chunk))
+                    await send(sse_event(chunk))
             else:
                 if run.req.include_usage:
-                    await response.write(sse_event(usage_chunk(run, formatter)))
-        await response.write(_SSE_DONE)
+                    await send(sse_event(usage_chunk(run, formatter)))
+        await send(_SSE_DONE)
         await response.write_eof()
-    except ConnectionResetError:
+    except (ConnectionResetError, TimeoutError):
         await run.abort()
+        response.force_close()
     except asyncio.CancelledError:
         await run.abort()
         raise

@@ -35,6 +35,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish on SIGTERM")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--http-header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a complete request head, "
+                             "from its opening or its previous response; idle keep-alive "
+                             "connections close after as long (0: never)")
+    parser.add_argument("--http-idle-timeout", type=float, default=60.0,
+                        help="seconds a request may go without progress while its body is "
+                             "read or its response written, before it is dropped (0: never)")
+    parser.add_argument("--max-connections", type=int, default=1000,
+                        help="open HTTP connections at most; more get 503 at once")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -102,13 +111,9 @@ class Server:
                 raise RuntimeError("the engine group did not become healthy")
             logger.info("engines ready in %.1f s", time.perf_counter() - t0)
             app = self._build_app(client)
-            # handler_cancellation: a client that goes away cancels its handler, which aborts
-            # the request in the engine (also for non-streamed requests).
-            runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                                   handler_cancellation=True)
-            await runner.setup()
-            site = web.TCPSite(runner, self.args.host, self.args.port)
-            await site.start()
+            from bastion.api.server import CONFIG_KEY, start_server
+
+            runner = await start_server(app, app[CONFIG_KEY])
             logger.info("serving %s on http://%s:%d", model_name, self.args.host, self.args.port)
             self.notifier.ready()
             self.notifier.status("serving")
@@ -140,7 +145,10 @@ class Server:
         api_config = ApiConfig(host=self.args.host, port=self.args.port,
                                api_key=self.args.api_key, admin_key=self.args.admin_key,
                                served_model_name=client.model_name,
-                               enable_fault_injection=self.args.enable_fault_injection)
+                               enable_fault_injection=self.args.enable_fault_injection,
+                               http_header_timeout_s=self.args.http_header_timeout,
+                               http_idle_timeout_s=self.args.http_idle_timeout,
+                               max_connections=self.args.max_connections)
         app = build_app(client, api_config, ft_handler=client)
         from bastion.api.server import METRICS_KEY
 

@@ -528,7 +528,7 @@ async def test_draining_refuses_new_requests(serve):
 
 
 def _sample(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing"
     return float(match.group(1))
 
