@@ -64,8 +64,7 @@ class _Refuse(asyncio.Protocol):
     """What a connection past ``max_connections`` gets: a 503 and a close, before any read."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(_BUSY_RESPONSE)
+        transport.write(_BUSY_RESPONSE)  # type: ignore[attr-defined]  # a stream transport
         transport.close()
 
 

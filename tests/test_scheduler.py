@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from bastion.core.config import CacheConfig, SchedulerConfig
 from bastion.core.request import Request, RequestStatus
 from bastion.core.scheduler import Scheduler
@@ -248,3 +250,15 @@ def test_prompt_over_the_budget_without_chunked_prefill_is_rejected():
     assert rejected.request_id == "a" and rejected.finish_reason == FinishReason.ERROR
     assert "chunked prefill off" in rejected.error and "at most 8" in rejected.error
     assert s.schedule().num_scheduled_tokens == {"b": 8}
+
+
+def test_request_whose_deadline_passed_on_the_way_is_answered_without_a_prefill():
+    s = make_scheduler()
+    s.add_request(req("late", 4, deadline=time.time() - 1e-3))
+    s.add_request(req("on_time", 4, deadline=time.time() + 60))
+    assert list(s.requests) == ["on_time"]
+    (late,) = s.take_rejected()
+    assert (late.request_id, late.finish_reason) == ("late", FinishReason.TIMEOUT)
+    assert "deadline passed" in late.error
+    out, _ = run_step(s)
+    assert set(out.num_scheduled_tokens) == {"on_time"}
