@@ -91,8 +91,9 @@ def _error_param(exc: msgspec.ValidationError) -> str | None:
     `x` ``), if any."""
     message = str(exc)
     _, sep, path = message.rpartition("at `$.")
-    if not sep:
-        _, sep, path = message.rpartition("unknown field `")
+    for marker in ("unknown field `", "missing required field `"):
+        if not sep:
+            _, sep, path = message.rpartition(marker)
     if not sep:
         return None
     return path.rstrip("`").split(".")[0].split("[")[0] or None

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import ipaddress
 import json
 import os
 import re
+import socket
 import time
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from bastion.api.auth import is_loopback
 from bastion.api.config import METRICS_KEY, STATE_KEY
 from bastion.api.server import ApiConfig, build_app
 from bastion.core.output_processor import OutputProcessor, fan_out
@@ -614,6 +617,78 @@ async def test_fault_injection_when_enabled(serve):
     resp = await http.post("/fault_tolerance/inject", json={"kind": "hang", "engine": 1})
     assert resp.status == 200
     assert handler.calls == [("inject", "hang", 1)]
+
+
+def own_non_loopback_address() -> str | None:
+    """An address of this machine that is not loopback (connecting a UDP socket sends
+    nothing; it only picks the interface a packet would leave by)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = sock.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+@pytest.mark.parametrize("remote, expected", [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("10.0.0.1", False), ("192.0.2.2", False), ("::ffff:10.0.0.1", False), ("fd00::2", False),
+    ("", False), (None, False), ("not-an-ip", False)])
+def test_is_loopback(remote, expected):
+    assert is_loopback(remote) is expected
+
+
+async def test_control_routes_answer_only_loopback_without_an_admin_key(tokenizer):
+    address = own_non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    for config, headers, allowed in ((ApiConfig(), {}, False),
+                                     (ApiConfig(api_key="k"), {"Authorization": "Bearer k"},
+                                      False),
+                                     (ApiConfig(admin_key="a"), {"Authorization": "Bearer a"},
+                                      True)):
+        handler = FakeFaultHandler()
+        app = build_app(FakeEngine(tokenizer), config, handler)
+        async with TestClient(TestServer(app, host=address)) as http:
+            resp = await http.post("/fault_tolerance/apply", json={"instruction": "retry"},
+                                   headers=headers)
+            status = await http.get("/fault_tolerance/status", headers=headers)
+            models = await http.get("/v1/models", headers=headers)
+            assert models.status == 200
+            if allowed:
+                assert (resp.status, status.status) == (202, 200)
+            else:
+                assert (resp.status, status.status) == (403, 403)
+                assert (await resp.json())["error"]["code"] == "admin_key_required"
+                assert handler.calls == []
+
+
+async def test_fault_tolerance_bodies_are_strict(serve):
+    handler = FakeFaultHandler()
+    http, _ = await serve(ApiConfig(enable_fault_injection=True), ft_handler=handler)
+    for body, param in (({"instruction": "retry", "params": None}, "params"),
+                        ({"instruction": "retry", "params": {"engine": 0}}, "params"),
+                        ({"instruction": "retry", "params": []}, "params"),
+                        ({"instruction": "retry", "extra": 1}, "extra"),
+                        ({"instruction": ["retry"]}, "instruction"),
+                        ({}, "instruction")):
+        resp = await http.post("/fault_tolerance/apply", json=body)
+        assert resp.status == 400, body
+        assert (await resp.json())["error"]["param"] == param, body
+    for body, param in (({"kind": "raise", "engine": "0"}, "engine"),
+                        ({"kind": "raise", "engine": True}, "engine"),
+                        ({"kind": "raise", "engine": 10**30}, "engine"),
+                        ({"kind": "raise", "target": 0}, "target")):
+        resp = await http.post("/fault_tolerance/inject", json=body)
+        assert resp.status == 400, body
+        assert (await resp.json())["error"]["param"] == param, body
+    resp = await http.post("/fault_tolerance/apply", data=b'{"instruction": "retry"}',
+                           headers={"Content-Type": "text/plain"})
+    assert resp.status == 415
+    assert handler.calls == []
+    resp = await http.post("/fault_tolerance/apply", json={"instruction": "retry"})
+    assert resp.status == 202 and handler.calls == [("apply", "retry", {})]
 
 
 async def test_fault_tolerance_status_without_handler(serve):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -247,6 +248,11 @@ def test_no_kv_block_leaks_and_fault_series_after_faults(auto_server):
     for kind in ("injected", "process_exit", "hang"):
         assert f'bastion:engine_faults_total{{kind="{kind}"' in text, kind
     assert 'bastion:engine_recoveries_total{action="auto-reinit"' in text
+    # Every request that lived through a fault (resubmitted at the new epoch) left the API
+    # process's request tables too.
+    tables = re.findall(r'^bastion:api_request_table_entries\{[^}]*table="(\w+)"[^}]*\} (\S+)$',
+                        text, re.M)
+    assert tables and all(float(v) == 0 for _, v in tables), tables
 
 
 def test_manual_mode_status_then_one_apply_recovers(moe_folder):
