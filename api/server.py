@@ -70,7 +70,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document())
+    return web.json_response(openapi_document(request.app[CONFIG_KEY],
+                                              request.app[MODEL_NAME_KEY]))
 
 
 def build_app(client: EngineClient, config: ApiConfig,
