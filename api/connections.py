@@ -46,7 +46,7 @@ class RateLimitFilter(logging.Filter):
         reason = record.exc_info[1] if record.exc_info else None
         message = record.getMessage()
         if reason is not None:
-            message += f": {type(reason).__name__}: {str(reason).splitlines()[0][:200]}"
+            message += f": {type(reason).__name__}: {' '.join(str(reason).split())[:200]}"
         if self.num_suppressed:
             message += f" ({self.num_suppressed} more like it suppressed)"
         self.num_suppressed = 0
