@@ -251,7 +251,7 @@ def test_no_kv_block_leaks_and_fault_series_after_faults(auto_server):
     # Every request that lived through a fault (resubmitted at the new epoch) left the API
     # process's request tables too.
     tables = re.findall(r'^bastion:api_request_table_entries\{[^}]*table="(\w+)"[^}]*\} (\S+)$',
-                        text, re.M)
+                        text, re.MULTILINE)
     assert tables and all(float(v) == 0 for _, v in tables), tables
 
 

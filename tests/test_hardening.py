@@ -69,7 +69,7 @@ def table_entries(server: ServerProcess) -> dict[str, float]:
     """``bastion:api_request_table_entries`` by table, from /metrics."""
     _, body = server.get("/metrics")
     pattern = r'^bastion:api_request_table_entries\{[^}]*table="(\w+)"[^}]*\} (\S+)$'
-    return {m[1]: float(m[2]) for m in re.finditer(pattern, body.decode(), re.M)}
+    return {m[1]: float(m[2]) for m in re.finditer(pattern, body.decode(), re.MULTILINE)}
 
 
 def wait_tables_empty(server: ServerProcess, timeout_s: float = 10.0) -> dict[str, float]:
@@ -84,7 +84,7 @@ def wait_tables_empty(server: ServerProcess, timeout_s: float = 10.0) -> dict[st
 
 def rss_bytes(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)[1]) * 1024
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
 
 
 def sse_data(raw: bytes) -> list[str]:
@@ -117,7 +117,7 @@ def test_passed_deadline_is_504_deadline_exceeded_and_not_retried(server):
 def num_timed_out(server: ServerProcess) -> float:
     _, body = server.get("/metrics")
     match = re.search(r'^bastion:request_success_total\{[^}]*finished_reason="timeout"[^}]*\} '
-                      r"(\S+)$", body.decode(), re.M)
+                      r"(\S+)$", body.decode(), re.MULTILINE)
     return float(match[1]) if match else 0.0
 
 
@@ -280,7 +280,7 @@ def test_http10_stream_closes_after_done(server):
         while chunk := sock.recv(65536):  # b"" only once the server closed the connection
             raw += chunk
     head, _, payload = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head
+    assert head.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")), head
     assert b"chunked" not in head.lower()
     assert payload.endswith(b"data: [DONE]\n\n")
 
