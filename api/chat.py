@@ -29,6 +29,7 @@ from bastion.api.serving import (
     Run,
     chunk_header,
     collect,
+    off_loop,
     reject_if_draining,
     stream_sse,
     submit,
@@ -167,7 +168,7 @@ def chat_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     reject_if_draining(request.app)
     body = await read_json(request)
-    req = parse_chat_request(request, body)
+    req = await off_loop(parse_chat_request, request, body)
     client = request.app[CLIENT_KEY]
     run = await submit(client, request.app[METRICS_KEY], f"chatcmpl-{uuid.uuid4().hex}",
                        req.model, req)

@@ -28,6 +28,7 @@ from bastion.api.serving import (
     Run,
     chunk_header,
     collect,
+    off_loop,
     reject_if_draining,
     stream_sse,
     submit,
@@ -174,7 +175,7 @@ def completion_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     reject_if_draining(request.app)
     body = await read_json(request)
-    req = parse_completion_request(request, body)
+    req = await off_loop(parse_completion_request, request, body)
     client = request.app[CLIENT_KEY]
     run = await submit(client, request.app[METRICS_KEY], f"cmpl-{uuid.uuid4().hex}", req.model,
                        req)

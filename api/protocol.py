@@ -18,6 +18,7 @@ from aiohttp import web
 from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.connections import with_idle_timeout
 from bastion.api.errors import ApiError, bad_request
+from bastion.core.stop_matcher import stop_automaton
 from bastion.ipc.messages import InvalidParam, SamplingParams
 
 _MAX_INT = 2**63  # NOTE: ints cross to the engine as msgpack int64; larger ones cannot travel
@@ -165,6 +166,10 @@ def _stop_strings(body: dict, config: ApiConfig) -> list[str]:
     if too_long is not None:
         raise bad_request(f"each stop string may be at most {config.max_stop_len} characters, "
                           f"got one of {len(too_long)}", "stop")
+    if all(stop):  # "" is refused by SamplingParams, with its own message
+        # Built here, where parsing runs off the event loop (tens of ms at the bounds); the
+        # cache hands it to every sequence of the request.
+        stop_automaton(tuple(stop))
     return stop
 
 

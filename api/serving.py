@@ -6,12 +6,13 @@ requests of a client that went away.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from aiohttp import HttpVersion11, web
@@ -28,6 +29,7 @@ from bastion.core.outputs import TokenLogprob
 logger = logging.getLogger(__name__)
 
 _SSE_DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 @dataclass
@@ -127,6 +129,18 @@ class Run:
                 "completion_tokens": num_completion_tokens,
                 "total_tokens": self.num_prompt_tokens + num_completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+# NOTE: one thread, on purpose: it is enough to keep the event loop free (the tokenizers'
+# encode releases the GIL), and a Hugging Face fast tokenizer must not be driven from several
+# threads at once (its truncation state is shared).
+_PARSE_EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bastion-parse")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run CPU-heavy request preparation (chat template, tokenization: seconds for a 4 MiB
+    prompt) off the event loop, so /health and other requests' chunks never wait for it."""
+    return await asyncio.get_running_loop().run_in_executor(_PARSE_EXECUTOR, fn, *args)
 
 
 def reject_if_draining(app: web.Application) -> None:

@@ -87,6 +87,28 @@ def rss_bytes(pid: int) -> int:
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
 
 
+def while_polling_health(server: ServerProcess, action):
+    """``action()``'s result, and the latency of each ``/health`` polled while it ran."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            start = time.perf_counter()
+            status, _ = server.get("/health", timeout=30)
+            latencies.append(time.perf_counter() - start)
+            assert status == 200
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        return action(), latencies
+    finally:
+        done.set()
+        poller.join()
+
+
 def sse_data(raw: bytes) -> list[str]:
     return [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
 
@@ -203,24 +225,8 @@ def test_worst_allowed_stop_list_does_not_hold_up_health(server):
     body = {"prompt": ["The capital of France is", "Once upon a time", "def main():",
                        "1, 2, 3,"], "n": 16, "max_tokens": 24, "ignore_eos": True,
             "temperature": 1.0, "stop": stops, "stream": True}
-    latencies: list[float] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            start = time.perf_counter()
-            status, _ = server.get("/health", timeout=30)
-            latencies.append(time.perf_counter() - start)
-            assert status == 200
-            time.sleep(0.02)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        status, _, raw = request(server, "POST", "/v1/completions", body, timeout=300)
-    finally:
-        done.set()
-        poller.join()
+    (status, _, raw), latencies = while_polling_health(
+        server, lambda: request(server, "POST", "/v1/completions", body, timeout=300))
     events = sse_data(raw)
     assert status == 200 and events[-1] == "[DONE]"
     finished = [c for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
@@ -228,6 +234,18 @@ def test_worst_allowed_stop_list_does_not_hold_up_health(server):
     print(f"/health under the worst stop list: {len(latencies)} polls, max "
           f"{max(latencies) * 1000:.0f} ms, median {sorted(latencies)[len(latencies) // 2] * 1000:.0f} ms")
     assert max(latencies) < 0.5, sorted(latencies)[-5:]
+
+
+def test_huge_prompt_is_tokenized_off_the_event_loop(server):
+    # A 4 MiB prompt takes the tokenizer seconds; it must not stop /health meanwhile.
+    prompt = ("All work and no play makes Jack a dull boy. " * 100_000)[:4_000_000]
+    body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+    (status, _, raw), latencies = while_polling_health(
+        server, lambda: request(server, "POST", "/v1/completions", body, JSON))
+    assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
+    print(f"/health while a 4 MB prompt is tokenized: {len(latencies)} polls, max "
+          f"{max(latencies) * 1000:.0f} ms")
+    assert len(latencies) > 5 and max(latencies) < 0.5, sorted(latencies)[-5:]
 
 
 # ------------------------------------------------------------------------------ bad input
