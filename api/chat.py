@@ -31,6 +31,7 @@ from bastion.api.serving import (
     collect,
     off_loop,
     reject_if_draining,
+    respond,
     stream_sse,
     submit,
     token_text,
@@ -175,5 +176,4 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await stream_sse(request, client, run, ChatStreamFormatter())
     choices = await collect(client, run)
-    return web.json_response(chat_response(run, choices),
-                             headers={"X-Request-Id": run.request_id})
+    return await respond(run, chat_response, choices)

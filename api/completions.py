@@ -30,6 +30,7 @@ from bastion.api.serving import (
     collect,
     off_loop,
     reject_if_draining,
+    respond,
     stream_sse,
     submit,
     token_text,
@@ -182,5 +183,4 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await stream_sse(request, client, run, CompletionStreamFormatter())
     choices = await collect(client, run)
-    return web.json_response(completion_response(run, choices),
-                             headers={"X-Request-Id": run.request_id})
+    return await respond(run, completion_response, choices)
