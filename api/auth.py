@@ -15,6 +15,10 @@ from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.errors import ApiError, Handler
 
 
+def is_control_path(path: str) -> bool:
+    return path == "/fault_tolerance" or path.startswith("/fault_tolerance/")
+
+
 def required_key(config: ApiConfig, path: str) -> tuple[str | None, str]:
     """The key guarding ``path`` (None: open) and its name for the error message."""
     if is_control_path(path):
@@ -43,10 +47,6 @@ def is_loopback(remote: str | None) -> bool:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return (mapped or address).is_loopback
-
-
-def is_control_path(path: str) -> bool:
-    return path == "/fault_tolerance" or path.startswith("/fault_tolerance/")
 
 
 @web.middleware

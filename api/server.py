@@ -2,7 +2,8 @@
 
 ``build_app(client, config)`` wires everything against an ``EngineClient``; ``start_server``
 runs it with handler cancellation on, so a client that disconnects from a non-streamed request
-cancels its handler and the engine request is aborted.
+cancels its handler and the engine request is aborted, and with the connection limits of
+api/connections.py.
 """
 
 from __future__ import annotations
