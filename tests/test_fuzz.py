@@ -65,9 +65,12 @@ def test_fuzz_generation_routes(tmp_path):
                                          "--exclude-path-regex", "^/fault_tolerance")
         assert server.proc.poll() is None, "the server died:\n" + server.log_tail()
         assert server.get("/health")[0] == 200
+        # Every request the fuzzer sent left no trace.
+        tables = server.wait_request_tables_empty()
     finally:
         server.kill_tree()
-    print(report("generation routes", stats))
+    print(report("generation routes", stats), f"; request tables afterwards {tables}")
+    assert not any(tables.values()), tables
     assert stats.get("cases", 0) > 50, output
     assert stats.get("server_bugs", 0) == 0, output + server.log_tail()
     assert "Traceback" not in server.log_tail(10**7), server.log_tail()

@@ -65,23 +65,6 @@ def completion(**fields) -> dict:
     return {"prompt": "The capital of France is", "max_tokens": 4, **fields}
 
 
-def table_entries(server: ServerProcess) -> dict[str, float]:
-    """``bastion:api_request_table_entries`` by table, from /metrics."""
-    _, body = server.get("/metrics")
-    pattern = r'^bastion:api_request_table_entries\{[^}]*table="(\w+)"[^}]*\} (\S+)$'
-    return {m[1]: float(m[2]) for m in re.finditer(pattern, body.decode(), re.MULTILINE)}
-
-
-def wait_tables_empty(server: ServerProcess, timeout_s: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        tables = table_entries(server)
-        assert tables, "the request-table gauge is missing from /metrics"
-        if not any(tables.values()) or time.monotonic() > deadline:
-            return tables
-        time.sleep(0.1)
-
-
 def rss_bytes(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
@@ -163,12 +146,12 @@ def test_1000_deadline_requests_leave_no_trace(server):
 
     with ThreadPoolExecutor(16) as pool:  # warm-up: allocator pools, caches, lazy imports
         list(pool.map(run, [10] * 16))
-    assert wait_tables_empty(server) == dict.fromkeys(table_entries(server), 0.0)
+    assert server.wait_request_tables_empty() == dict.fromkeys(server.request_tables(), 0.0)
     before = rss_bytes(server.pid)
     with ThreadPoolExecutor(16) as pool:  # 16 at a time: the engine batches their prefills
         statuses = [s for part in pool.map(run, [1000 // 16 + 1] * 16) for s in part][:1000]
     assert statuses == [504] * 1000
-    tables = wait_tables_empty(server)
+    tables = server.wait_request_tables_empty()
     growth = rss_bytes(server.pid) - before
     print(f"API RSS {before / 2**20:.1f} MiB -> +{growth / 2**10:.0f} KiB after 1,000 "
           f"deadline-passed requests; tables {tables}")
@@ -197,7 +180,7 @@ def test_every_other_path_releases_its_request(server):
                 timeout=0.5)
     # refused after admission checks: context too long
     assert request(server, "POST", "/v1/completions", completion(max_tokens=100_000))[0] == 400
-    tables = wait_tables_empty(server)
+    tables = server.wait_request_tables_empty()
     assert not any(tables.values()), tables
 
 
