@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from aiohttp import web
 
 from bastion.api.config import ApiConfig
 
-logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # aiohttp logs every unparsable request ("Error handling request", with a traceback) to the
 # logger it is given; this one reaches the journal through ``RateLimitFilter``.
@@ -111,11 +114,16 @@ async def serve(app: web.Application, config: ApiConfig,
     return runner
 
 
-async def with_idle_timeout(awaitable, config: ApiConfig, what: str):
+async def with_idle_timeout(awaitable: Awaitable[T], config: ApiConfig, what: str) -> T:
     """Await a read of the body or a write to the client, which a stalled peer could hold up
     forever; past ``http_idle_timeout_s`` without progress it raises ``TimeoutError``."""
     timeout = config.http_idle_timeout_s or None
     try:
+        if sys.version_info >= (3, 11):
+            # NOTE: asyncio.timeout, not wait_for: this wraps every chunk of every stream, and
+            # wait_for starts a task per call before Python 3.12.
+            async with asyncio.timeout(timeout):
+                return await awaitable
         return await asyncio.wait_for(awaitable, timeout)
     except asyncio.TimeoutError:
         raise TimeoutError(f"the client made no progress {what} for {timeout:g} s") from None

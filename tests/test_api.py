@@ -504,6 +504,34 @@ async def test_deadline_from_header_and_body(serve):
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "timeout"
 
 
+async def test_stalled_body_gets_408(serve):
+    http, engine = await serve(ApiConfig(http_idle_timeout_s=0.3))
+    reader, writer = await asyncio.open_connection(http.host, http.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 408")
+    writer.close()
+    assert engine.requests == []
+
+
+async def test_client_that_stops_reading_its_stream_is_dropped(serve):
+    http, engine = await serve(ApiConfig(http_idle_timeout_s=0.3))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few chunks
+    sock.connect((http.host, http.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = json.dumps({"prompt": ["x"] * 64, "n": 16, "max_tokens": 60, "stream": True,
+                       "logprobs": 20}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    # Never read: the server's writes stall, and after the idle timeout it gives up.
+    await wait_until(lambda: len(engine.aborted) == 64, timeout=20)
+    writer.close()
+
+
 # -------------------------------------------------------------------- health, metrics, docs
 
 
