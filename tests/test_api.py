@@ -521,7 +521,7 @@ async def test_client_that_stops_reading_its_stream_is_dropped(serve):
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few chunks
     sock.connect((http.host, http.port))
-    reader, writer = await asyncio.open_connection(sock=sock)
+    _, writer = await asyncio.open_connection(sock=sock)
     body = json.dumps({"prompt": ["x"] * 64, "n": 16, "max_tokens": 60, "stream": True,
                        "logprobs": 20}).encode()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
