@@ -1,8 +1,13 @@
-"""Bearer-token auth: ``api_key`` on ``/v1/*``, ``admin_key`` on ``/fault_tolerance/*``."""
+"""Bearer-token auth: ``api_key`` on ``/v1/*``, ``admin_key`` on ``/fault_tolerance/*``.
+
+Without an admin key the control routes answer loopback clients only: they restart processes,
+and a server bound to a public address must not hand that to anyone who can reach its port.
+"""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
 from aiohttp import web
 
@@ -10,9 +15,13 @@ from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.errors import ApiError, Handler
 
 
+def is_control_path(path: str) -> bool:
+    return path == "/fault_tolerance" or path.startswith("/fault_tolerance/")
+
+
 def required_key(config: ApiConfig, path: str) -> tuple[str | None, str]:
     """The key guarding ``path`` (None: open) and its name for the error message."""
-    if path.startswith("/fault_tolerance"):
+    if is_control_path(path):
         return config.admin_key or config.api_key, "admin key"
     if path == "/v1" or path.startswith("/v1/"):
         return config.api_key, "API key"
@@ -29,9 +38,27 @@ def is_authorized(header: str | None, key: str) -> bool:
     return hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+def is_loopback(remote: str | None) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback; False for anything else (a
+    non-IP peer included), so an unknown peer is never trusted."""
+    try:
+        address = ipaddress.ip_address(remote or "")
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    key, name = required_key(request.app[CONFIG_KEY], request.path)
+    config = request.app[CONFIG_KEY]
+    if (is_control_path(request.path) and config.admin_key is None
+            and not is_loopback(request.remote)):
+        raise ApiError(403, "The fault-tolerance routes answer only loopback clients while "
+                       "no admin key is set; start the server with --admin-key (or "
+                       "BASTION_ADMIN_KEY) to use them from elsewhere",
+                       code="admin_key_required")
+    key, name = required_key(config, request.path)
     if key is not None and not is_authorized(request.headers.get("Authorization"), key):
         raise ApiError(401, f"Invalid or missing {name}: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -30,7 +30,9 @@ from bastion.api.serving import (
     apply_generation_defaults,
     chunk_header,
     collect,
+    off_loop,
     reject_if_draining,
+    respond,
     stream_sse,
     submit,
     token_text,
@@ -169,12 +171,11 @@ def chat_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     reject_if_draining(request.app)
     body = await read_json(request)
-    req = parse_chat_request(request, body)
+    req = await off_loop(parse_chat_request, request, body)
     client = request.app[CLIENT_KEY]
     run = await submit(client, request.app[METRICS_KEY], f"chatcmpl-{uuid.uuid4().hex}",
                        req.model, req)
     if req.stream:
         return await stream_sse(request, client, run, ChatStreamFormatter())
     choices = await collect(client, run)
-    return web.json_response(chat_response(run, choices),
-                             headers={"X-Request-Id": run.request_id})
+    return await respond(run, chat_response, choices)

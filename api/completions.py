@@ -29,7 +29,9 @@ from bastion.api.serving import (
     apply_generation_defaults,
     chunk_header,
     collect,
+    off_loop,
     reject_if_draining,
+    respond,
     stream_sse,
     submit,
     token_text,
@@ -176,12 +178,11 @@ def completion_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     reject_if_draining(request.app)
     body = await read_json(request)
-    req = parse_completion_request(request, body)
+    req = await off_loop(parse_completion_request, request, body)
     client = request.app[CLIENT_KEY]
     run = await submit(client, request.app[METRICS_KEY], f"cmpl-{uuid.uuid4().hex}", req.model,
                        req)
     if req.stream:
         return await stream_sse(request, client, run, CompletionStreamFormatter())
     choices = await collect(client, run)
-    return web.json_response(completion_response(run, choices),
-                             headers={"X-Request-Id": run.request_id})
+    return await respond(run, completion_response, choices)

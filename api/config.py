@@ -34,7 +34,15 @@ class ApiConfig:
     max_n: int = 16
     max_logprobs: int = 20
     max_num_prompts: int = 64  # prompts in one batched /v1/completions request
+    # Stop strings per request and characters per stop string (README: "Limits").
+    max_stop_strings: int = 64
+    max_stop_len: int = 256
+    max_stop_token_ids: int = 1024
     enable_fault_injection: bool = False
+    # HTTP hygiene (README: "Connections"); 0 disables a timeout.
+    http_header_timeout_s: float = 10.0
+    http_idle_timeout_s: float = 60.0
+    max_connections: int = 1000
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +58,14 @@ class ApiConfig:
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ApiConfigError("metrics_prefix must be a Prometheus name such as bastion or "
                                  f"vllm; got {self.metrics_prefix!r}")
+        for name in ("max_stop_strings", "max_stop_len", "max_stop_token_ids",
+                     "max_connections"):
+            if getattr(self, name) < 1:
+                raise ApiConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
+        for name in ("http_header_timeout_s", "http_idle_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ApiConfigError(f"{name} must be >= 0 (0: no timeout); got "
+                                     f"{getattr(self, name)}")
         for name in ("api_key", "admin_key"):
             if getattr(self, name) == "":
                 raise ApiConfigError(f"{name} must not be empty (leave it unset to disable it)")

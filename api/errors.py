@@ -24,6 +24,7 @@ _ERROR_TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     409: "ConflictError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",
@@ -31,6 +32,7 @@ _ERROR_TYPES = {
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    504: "DeadlineExceededError",  # only ever a passed request deadline (code deadline_exceeded)
 }
 
 

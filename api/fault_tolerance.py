@@ -11,15 +11,46 @@ import inspect
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
+import msgspec
 from aiohttp import web
 
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, FT_HANDLER_KEY
 from bastion.api.errors import ApiError, bad_request
-from bastion.api.protocol import get_int, read_json
+from bastion.api.protocol import decode_json, read_body
 from bastion.ipc.messages import EngineStatus, InvalidParam
 
-INSTRUCTIONS = ("retry", "reinit")
 FAULT_KINDS = ("raise", "worker_exit", "hang")
+
+
+# NOTE: the bodies are strict on purpose: these routes restart processes, so a field the
+# server would ignore (a typo, a param of another version) must fail loudly, not be dropped.
+class RetryParams(msgspec.Struct, forbid_unknown_fields=True):
+    """``retry``: re-create the group's process groups at a new epoch. No parameters."""
+
+
+class ReinitParams(msgspec.Struct, forbid_unknown_fields=True):
+    """``reinit``: also replace dead engine or worker processes. No parameters."""
+
+
+# Each instruction and the only params it accepts.
+INSTRUCTION_PARAMS: dict[str, type[msgspec.Struct]] = {"retry": RetryParams,
+                                                       "reinit": ReinitParams}
+INSTRUCTIONS = tuple(INSTRUCTION_PARAMS)
+
+
+class ApplyBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /fault_tolerance/apply``; ``params`` is decoded by the instruction's type."""
+
+    instruction: str
+    params: msgspec.Raw = msgspec.Raw(b"{}")
+
+
+class InjectBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /fault_tolerance/inject``."""
+
+    kind: str
+    engine: int = 0
+
 
 class FaultToleranceHandler(Protocol):
     """What the routes call. Methods may be plain or ``async``; raising ``ValueError``
@@ -63,18 +94,20 @@ def status_dict(status: EngineStatus) -> dict[str, Any]:
 
 
 async def apply_instruction(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    instruction = body.get("instruction")
-    if instruction not in INSTRUCTIONS:
+    body: ApplyBody = decode_json(await read_body(request), ApplyBody)
+    params_type = INSTRUCTION_PARAMS.get(body.instruction)
+    if params_type is None:
         raise bad_request(f"instruction must be one of {', '.join(INSTRUCTIONS)}; "
-                          f"got {instruction!r}", "instruction")
-    params = body.get("params")
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise bad_request("params must be an object", "params")
-    request_id = await _call(_handler(request).apply, instruction, params)
-    return web.json_response({"request_id": request_id, "instruction": instruction},
+                          f"got {body.instruction!r}", "instruction")
+    try:
+        params = msgspec.json.decode(body.params, type=params_type)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        fields = ", ".join(params_type.__struct_fields__) or "none"
+        raise bad_request(f"params of {body.instruction} must be an object with only the "
+                          f"fields it defines ({fields}): {exc}", "params") from None
+    request_id = await _call(_handler(request).apply, body.instruction,
+                             msgspec.structs.asdict(params))
+    return web.json_response({"request_id": request_id, "instruction": body.instruction},
                              status=202)
 
 
@@ -91,16 +124,15 @@ async def inject_fault(request: web.Request) -> web.Response:
     if not request.app[CONFIG_KEY].enable_fault_injection:
         raise ApiError(404, "Fault injection is disabled; start the server with "
                        "--enable-fault-injection to use it", code="not_found")
-    body = await read_json(request)
-    kind = body.get("kind")
-    if kind not in FAULT_KINDS:
-        raise bad_request(f"kind must be one of {', '.join(FAULT_KINDS)}; got {kind!r}", "kind")
-    engine = get_int(body, "engine", 0)
-    num_engines = len(request.app[CLIENT_KEY].engine_statuses())
-    if not 0 <= engine < max(num_engines, 1):
-        raise bad_request(f"engine must be in [0, {max(num_engines, 1)}), got {engine}", "engine")
-    await _call(_handler(request).inject, kind, engine)
-    return web.json_response({"status": "injected", "kind": kind, "engine": engine})
+    body: InjectBody = decode_json(await read_body(request), InjectBody)
+    if body.kind not in FAULT_KINDS:
+        raise bad_request(f"kind must be one of {', '.join(FAULT_KINDS)}; got {body.kind!r}",
+                          "kind")
+    num_engines = max(len(request.app[CLIENT_KEY].engine_statuses()), 1)
+    if not 0 <= body.engine < num_engines:
+        raise bad_request(f"engine must be in [0, {num_engines}), got {body.engine}", "engine")
+    await _call(_handler(request).inject, body.kind, body.engine)
+    return web.json_response({"status": "injected", "kind": body.kind, "engine": body.engine})
 
 
 def add_fault_tolerance_routes(app: web.Application) -> None:

@@ -155,6 +155,9 @@ class ApiMetrics:
         self.recovery_seconds = series(Histogram, "engine_recovery_seconds",
                                        "From the fault being seen to the group healthy again.",
                                        buckets=_RECOVERY_BUCKETS)
+        self.api_table_entries = series(Gauge, "api_request_table_entries",
+                                        "Entries of the API process's per-request tables; 0 "
+                                        "when idle (anything else is a leak).", ("table",))
         self.model_name = model_name
         self._last_stats: dict[int, SchedulerStats] = {}
         self._fault_seen_at: float | None = None
@@ -211,6 +214,10 @@ class ApiMetrics:
             self.cache_config_info.clear()
             self.cache_config_info.labels(**self._cache_info,
                                           num_gpu_blocks=str(num_blocks)).set(1)
+        table_sizes = getattr(self.client, "table_sizes", None)  # optional in EngineClient
+        if table_sizes is not None:
+            for table, size in table_sizes().items():
+                self.api_table_entries.labels(m, table).set(size)
 
     def set_cache_config(self, cache: CacheConfig) -> None:
         """Publish ``cache_config_info`` (the pool size comes from the engines' reports)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bastion import __version__
+from bastion.api.config import ApiConfig
 
 _NUM = {"type": "number"}
 _INT = {"type": "integer"}
@@ -12,15 +13,36 @@ _BOOL = {"type": "boolean"}
 _STR = {"type": "string"}
 _NULLABLE_STR = {"type": "string", "nullable": True}
 
+
+
+def _range(kind: str, low: float | None = None, high: float | None = None,
+           exclusive_low: bool = False) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": kind}
+    if low is not None:
+        schema["minimum"] = low
+        if exclusive_low:
+            schema["exclusiveMinimum"] = True
+    if high is not None:
+        schema["maximum"] = high
+    return schema
+
+
+_INT64 = _range("integer", -2**63, 2**63 - 1)
+# The ranges SamplingParams.verify accepts (ipc/messages.py).
 _SAMPLING = {
-    "model": _STR, "n": _INT, "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM,
-    "seed": _INT, "presence_penalty": _NUM, "frequency_penalty": _NUM,
-    "repetition_penalty": _NUM, "max_tokens": _INT, "min_tokens": _INT,
+    "model": _STR, "n": _INT, "temperature": _range("number", 0),
+    "top_p": _range("number", 0, 1, exclusive_low=True), "top_k": _range("integer", -1),
+    "min_p": _range("number", 0, 1), "seed": _INT64,
+    "presence_penalty": _range("number", -2, 2), "frequency_penalty": _range("number", -2, 2),
+    "repetition_penalty": _range("number", 0, 2, exclusive_low=True),
+    "max_tokens": _range("integer", 1), "min_tokens": _range("integer", 0),
+    # "stop", "stop_token_ids", "n" and "model" get their bounds from the server (_bounded).
     "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}]},
     "stop_token_ids": {"type": "array", "items": _INT}, "ignore_eos": _BOOL,
     "skip_special_tokens": _BOOL, "include_stop_str_in_output": _BOOL, "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
-    "timeout": {"type": "number", "description": "seconds until the request's deadline"},
+    "timeout": {**_range("number", 0, exclusive_low=True),
+                "description": "seconds until the request's deadline"},
 }
 
 _USAGE = {"type": "object", "properties": {
@@ -33,10 +55,13 @@ _SCHEMAS: dict[str, Any] = {
     "Usage": _USAGE,
     "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
         **_SAMPLING,
-        "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR},
-                             {"type": "array", "items": _INT},
-                             {"type": "array", "items": {"type": "array", "items": _INT}}]},
-        "logprobs": _INT, "echo": _BOOL}},
+        "prompt": {"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "items": _range("integer", 0)},
+            {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                                        "items": _range("integer", 0)}}]},
+        "logprobs": _range("integer", 0, 20), "echo": _BOOL}},
     "Completion": {"type": "object", "properties": {
         "id": _STR, "object": {"type": "string", "enum": ["text_completion"]}, "created": _INT,
         "model": _STR, "usage": {"$ref": "#/components/schemas/Usage"},
@@ -44,10 +69,13 @@ _SCHEMAS: dict[str, Any] = {
             "index": _INT, "text": _STR, "logprobs": {"type": "object", "nullable": True},
             "finish_reason": _NULLABLE_STR}}}}},
     "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
-        **_SAMPLING, "max_completion_tokens": _INT, "logprobs": _BOOL, "top_logprobs": _INT,
-        "messages": {"type": "array", "items": {"type": "object", "required": ["role"],
-                                                "properties": {"role": _STR,
-                                                               "content": _STR}}}}},
+        **_SAMPLING, "max_completion_tokens": _range("integer", 1), "logprobs": _BOOL,
+        "top_logprobs": _range("integer", 0, 20),
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"], "properties": {
+                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant",
+                                                    "tool"]},
+                "content": _STR}}}}},
     "ChatCompletion": {"type": "object", "properties": {
         "id": _STR, "object": {"type": "string", "enum": ["chat.completion"]}, "created": _INT,
         "model": _STR, "usage": {"$ref": "#/components/schemas/Usage"},
@@ -60,11 +88,16 @@ _SCHEMAS: dict[str, Any] = {
         "type": "array", "items": {"type": "object", "properties": {
             "id": _STR, "object": _STR, "created": _INT, "owned_by": _STR,
             "max_model_len": _INT}}}}},
-    "FaultToleranceApply": {"type": "object", "required": ["instruction"], "properties": {
+    # NOTE: strict, as the server decodes them (api/fault_tolerance.py): no other fields, and
+    # params only as each instruction defines them (none so far).
+    "FaultToleranceApply": {"type": "object", "required": ["instruction"],
+                            "additionalProperties": False, "properties": {
         "instruction": {"type": "string", "enum": ["retry", "reinit"]},
-        "params": {"type": "object"}}},
-    "FaultInjection": {"type": "object", "required": ["kind"], "properties": {
-        "kind": {"type": "string", "enum": ["raise", "worker_exit", "hang"]}, "engine": _INT}},
+        "params": {"type": "object", "additionalProperties": False, "properties": {}}}},
+    "FaultInjection": {"type": "object", "required": ["kind"], "additionalProperties": False,
+                       "properties": {
+        "kind": {"type": "string", "enum": ["raise", "worker_exit", "hang"]},
+        "engine": {"type": "integer", "minimum": 0}}},
     "EngineStatusList": {"type": "object", "properties": {"engines": {
         "type": "array", "items": {"type": "object", "properties": {
             "engine_id": _INT, "state": _STR, "epoch": _INT, "fault_info": _NULLABLE_STR,
@@ -88,7 +121,26 @@ def _op(summary: str, response: dict[str, Any] | None = None, request: str | Non
     return op
 
 
-def openapi_document() -> dict[str, Any]:
+def _bounded(schemas: dict[str, Any], config: ApiConfig, model_name: str | None
+             ) -> dict[str, Any]:
+    """The schemas with the request limits of ``config`` and the one model name served."""
+    stop_list = {"type": "array", "maxItems": config.max_stop_strings,
+                 "items": {"type": "string", "minLength": 1, "maxLength": config.max_stop_len}}
+    limits = {"stop": {"oneOf": [stop_list["items"], stop_list]},
+              "stop_token_ids": {"type": "array", "maxItems": config.max_stop_token_ids,
+                                 "items": {"type": "integer", "minimum": 0}},
+              "n": {"type": "integer", "minimum": 1, "maximum": config.max_n}}
+    if model_name is not None:
+        limits["model"] = {"type": "string", "enum": [model_name]}
+    bounded = dict(schemas)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        bounded[name] = {**schemas[name],
+                         "properties": {**schemas[name]["properties"], **limits}}
+    return bounded
+
+
+def openapi_document(config: ApiConfig | None = None, model_name: str | None = None
+                     ) -> dict[str, Any]:
     stream_note = " (text/event-stream when stream is true)"
     paths = {
         "/v1/models": {"get": _op("List the served model", _ref("ModelList"))},
@@ -115,5 +167,5 @@ def openapi_document() -> dict[str, Any]:
             "info": {"title": "bastion", "version": __version__,
                      "description": "OpenAI-compatible LLM inference server"},
             "paths": paths,
-            "components": {"schemas": _SCHEMAS,
+            "components": {"schemas": _bounded(_SCHEMAS, config or ApiConfig(), model_name),
                            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}

@@ -15,8 +15,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from bastion.api.config import ApiConfig
+from bastion.api.config import CONFIG_KEY, ApiConfig
+from bastion.api.connections import with_idle_timeout
 from bastion.api.errors import ApiError, bad_request
+from bastion.core.stop_matcher import stop_automaton
 from bastion.ipc.messages import InvalidParam, SamplingParams
 
 _MAX_INT = 2**63  # NOTE: ints cross to the engine as msgpack int64; larger ones cannot travel
@@ -47,15 +49,60 @@ class GenerateRequest:
         return self.params[0].n
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; aiohttp raises 413 past ``client_max_size``."""
-    raw = await request.read()
+def require_json_content_type(request: web.Request) -> None:
+    """415 unless the body is declared ``application/json``.
+
+    NOTE: this is what closes the cross-site path: a web page can POST ``text/plain`` (or a
+    form) to any origin without a CORS preflight, but never ``application/json``.
+    """
+    if request.content_type != "application/json":
+        declared = request.headers.get("Content-Type", "none")
+        raise ApiError(415, f"Content-Type must be application/json, got {declared}",
+                       code="unsupported_media_type")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The raw JSON body of a POST: 415 for another media type, 400 when empty; aiohttp
+    raises 413 past ``client_max_size``."""
+    require_json_content_type(request)
+    try:
+        raw = await with_idle_timeout(request.read(), request.app[CONFIG_KEY], "sending its body")
+    except TimeoutError as exc:
+        raise ApiError(408, f"Request body not received: {exc}", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     if not raw:
         raise bad_request("Request body is empty; send a JSON object")
+    return raw
+
+
+def decode_json(raw: bytes, into: Any = Any) -> Any:
+    """``raw`` decoded (and validated as the type ``into``); every way that fails is a 400."""
     try:
-        body = msgspec.json.decode(raw)
+        return msgspec.json.decode(raw, type=into)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"Invalid request body: {exc}", _error_param(exc)) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("Request body is nested too deeply to decode") from None
+
+
+def _error_param(exc: msgspec.ValidationError) -> str | None:
+    """The top-level field a msgspec error names (``... - at `$.params.x` ``, ``unknown field
+    `x` ``), if any."""
+    message = str(exc)
+    _, sep, path = message.rpartition("at `$.")
+    for marker in ("unknown field `", "missing required field `"):
+        if not sep:
+            _, sep, path = message.rpartition(marker)
+    if not sep:
+        return None
+    return path.rstrip("`").split(".")[0].split("[")[0] or None
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object (see ``read_body`` and ``decode_json`` for the errors)."""
+    body = decode_json(await read_body(request))
     if not isinstance(body, dict):
         raise bad_request(f"Request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -102,7 +149,7 @@ def get_str(body: dict, name: str, default: str | None = None) -> str | None:
     return value
 
 
-def _stop_strings(body: dict) -> list[str]:
+def _stop_strings(body: dict, config: ApiConfig) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
@@ -110,15 +157,30 @@ def _stop_strings(body: dict) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise bad_request("stop must be a string or a list of strings", "stop")
+    # The front end matches every stop string of every sequence on each token; the bounds keep
+    # one request's share of that work (and of the automaton's memory) small.
+    if len(stop) > config.max_stop_strings:
+        raise bad_request(f"stop may hold at most {config.max_stop_strings} strings, got "
+                          f"{len(stop)}", "stop")
+    too_long = next((s for s in stop if len(s) > config.max_stop_len), None)
+    if too_long is not None:
+        raise bad_request(f"each stop string may be at most {config.max_stop_len} characters, "
+                          f"got one of {len(too_long)}", "stop")
+    if all(stop):  # "" is refused by SamplingParams, with its own message
+        # Built here, where parsing runs off the event loop (tens of ms at the bounds); the
+        # cache hands it to every sequence of the request.
+        stop_automaton(tuple(stop))
     return stop
 
 
-def _int_list(body: dict, name: str) -> list[int]:
+def _int_list(body: dict, name: str, max_len: int) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
     if not isinstance(value, list) or not all(_is_int(v) and 0 <= v < _MAX_INT for v in value):
         raise bad_request(f"{name} must be a list of non-negative integers", name)
+    if len(value) > max_len:
+        raise bad_request(f"{name} may hold at most {max_len} ids, got {len(value)}", name)
     return value
 
 
@@ -211,8 +273,8 @@ def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
             repetition_penalty=get_float(body, "repetition_penalty", 1.0),
             max_tokens=max_tokens,
             min_tokens=get_int(body, "min_tokens", 0),
-            stop=_stop_strings(body),
-            stop_token_ids=_int_list(body, "stop_token_ids"),
+            stop=_stop_strings(body, config),
+            stop_token_ids=_int_list(body, "stop_token_ids", config.max_stop_token_ids),
             ignore_eos=get_bool(body, "ignore_eos", False),
             logprobs=logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),

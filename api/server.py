@@ -2,7 +2,8 @@
 
 ``build_app(client, config)`` wires everything against an ``EngineClient``; ``start_server``
 runs it with handler cancellation on, so a client that disconnects from a non-streamed request
-cancels its handler and the engine request is aborted.
+cancels its handler and the engine request is aborted, and with the connection limits of
+api/connections.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from bastion.api.config import (
     ApiConfig,
     ServerState,
 )
+from bastion.api.connections import serve
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import error_body, error_middleware
 from bastion.api.fault_tolerance import (
@@ -71,7 +73,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document())
+    return web.json_response(openapi_document(request.app[CONFIG_KEY],
+                                              request.app[MODEL_NAME_KEY]))
 
 
 def build_app(client: EngineClient, config: ApiConfig,
@@ -103,15 +106,12 @@ def build_app(client: EngineClient, config: ApiConfig,
     return app
 
 
-async def start_server(app: web.Application, config: ApiConfig) -> web.AppRunner:
-    """Bind ``config.host:config.port`` and serve; ``await runner.cleanup()`` stops it."""
-    # NOTE: handler_cancellation=True is what turns a client disconnect during a non-streamed
-    # request into a CancelledError in its handler, and so into an engine abort.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    return runner
+async def start_server(app: web.Application, config: ApiConfig,
+                       handle_signals: bool = False) -> web.AppRunner:
+    """Bind ``config.host:config.port`` and serve with the connection limits and timeouts of
+    ``config`` (api/connections.py); ``await runner.cleanup()`` stops it."""
+    return await serve(app, config, handle_signals)
 
 
-__all__ = ["STATE_KEY", "ApiConfig", "ServerState", "build_app", "set_fault_tolerance_handler",
+__all__ = ["CONFIG_KEY", "STATE_KEY", "ApiConfig", "ServerState", "build_app", "set_fault_tolerance_handler",
            "start_server"]

@@ -6,17 +6,19 @@ requests of a client that went away.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
-from bastion.api.config import STATE_KEY
+from bastion.api.config import CONFIG_KEY, STATE_KEY
+from bastion.api.connections import with_idle_timeout
 from bastion.api.engine_protocol import EngineClient, RequestStream
 from bastion.api.errors import ApiError, error_body
 from bastion.api.metrics import ApiMetrics, RequestTracker
@@ -27,6 +29,7 @@ from bastion.core.outputs import TokenLogprob
 logger = logging.getLogger(__name__)
 
 _SSE_DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,8 +77,11 @@ class Run:
 
     async def _merged(self) -> AsyncIterator[tuple[int, SeqDelta]]:
         if len(self.streams) == 1:
-            async for delta in self.streams[0]:
-                yield 0, delta
+            # aclosing: a reader that stops early closes the stream's iterator now, not
+            # whenever the garbage collector finalizes it.
+            async with contextlib.aclosing(aiter(self.streams[0])) as deltas:
+                async for delta in deltas:
+                    yield 0, delta
             self._finished_streams.add(0)
             return
         queue: asyncio.Queue[tuple[int, SeqDelta | BaseException | None]] = asyncio.Queue()
@@ -135,6 +141,16 @@ def apply_generation_defaults(body: dict, defaults: dict[str, Any]) -> dict:
     if "max_completion_tokens" in body:
         missing.pop("max_tokens", None)
     return {**missing, **body}
+# NOTE: one thread, on purpose: it is enough to keep the event loop free (the tokenizers'
+# encode releases the GIL), and a Hugging Face fast tokenizer must not be driven from several
+# threads at once (its truncation state is shared).
+_PARSE_EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bastion-parse")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run CPU-heavy request preparation (chat template, tokenization: seconds for a 4 MiB
+    prompt) off the event loop, so /health and other requests' chunks never wait for it."""
+    return await asyncio.get_running_loop().run_in_executor(_PARSE_EXECUTOR, fn, *args)
 
 
 def reject_if_draining(app: web.Application) -> None:
@@ -162,9 +178,19 @@ async def submit(client: EngineClient, metrics: ApiMetrics, request_id: str, mod
     return Run(request_id, model, req, streams, tracker, client.tokenizer)
 
 
+# Finish reasons that fail the whole request.
+FAILED = ("error", "abort", "timeout")
+
+
 def failure(client: EngineClient, delta: SeqDelta) -> ApiError:
-    """The error for a choice that ended in ``error`` or ``abort``: 503 while the engines are
-    not all healthy (a recovery case: retrying later can work), 500 otherwise."""
+    """The error for a choice that ended in ``error``, ``abort`` or ``timeout``: 504 for a
+    passed deadline, 503 while the engines are not all healthy (a recovery case: retrying
+    later can work), 500 otherwise."""
+    if delta.finish_reason == "timeout":
+        # NOTE: x-should-retry: the OpenAI SDKs retry every 5xx unless told not to, and a
+        # retry of a request whose deadline passed can only pass its deadline again.
+        return ApiError(504, delta.error or "The request's deadline passed",
+                        "timeout", "deadline_exceeded", headers={"x-should-retry": "false"})
     if delta.finish_reason == "abort":
         message = delta.error or "The request was aborted by the server"
         return ApiError(503, message, code="request_aborted", headers={"Retry-After": "1"})
@@ -189,7 +215,7 @@ async def collect(client: EngineClient, run: Run) -> list[Choice]:
     try:
         async with contextlib.aclosing(run.deltas()) as deltas:
             async for _, delta in deltas:
-                if delta.finish_reason in ("error", "abort"):
+                if delta.finish_reason in FAILED:
                     await run.abort()
                     raise failure(client, delta)
     except BaseException:
@@ -199,6 +225,15 @@ async def collect(client: EngineClient, run: Run) -> list[Choice]:
         await run.abort()
         raise
     return run.choices
+
+
+async def respond(run: Run, build: Callable[[Run, list[Choice]], dict[str, Any]],
+                  choices: list[Choice]) -> web.Response:
+    """The non-streamed answer. Built and encoded off the event loop: with n=16, 64 prompts
+    and 20 logprobs per token the body holds millions of entries."""
+    body = await off_loop(lambda: msgspec.json.encode(build(run, choices)))
+    return web.Response(body=body, content_type="application/json", charset="utf-8",
+                        headers={"X-Request-Id": run.request_id})
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -211,28 +246,39 @@ async def stream_sse(request: web.Request, client: EngineClient, run: Run,
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Request-Id": run.request_id})
+    if request.version < HttpVersion11:
+        # NOTE: HTTP/1.0 has no chunked encoding, and an event stream has no length up front:
+        # the only end of the body an HTTP/1.0 client can see is the close of the connection.
+        response.force_close()
+    config = request.app[CONFIG_KEY]
+
+    async def send(data: bytes) -> None:
+        # A client that stops reading fills the socket's buffer and would hold the request.
+        await with_idle_timeout(response.write(data), config, "reading the stream")
+
     try:
         await response.prepare(request)
         for chunk in formatter.start_chunks(run):
-            await response.write(sse_event(chunk))
+            await send(sse_event(chunk))
         async with contextlib.aclosing(run.deltas()) as deltas:
             async for choice, delta in deltas:
-                if delta.finish_reason in ("error", "abort"):
+                if delta.finish_reason in FAILED:
                     await run.abort()
                     error = failure(client, delta)
-                    await response.write(sse_event(error_body(error.status, error.message,
-                                                              None, error.code)))
+                    await send(sse_event(error_body(error.status, error.message, error.param,
+                                                    error.code)))
                     break
                 chunk = formatter.chunk(run, choice, delta)
                 if chunk is not None:
-                    await response.write(sse_event(chunk))
+                    await send(sse_event(chunk))
             else:
                 if run.req.include_usage:
-                    await response.write(sse_event(usage_chunk(run, formatter)))
-        await response.write(_SSE_DONE)
+                    await send(sse_event(usage_chunk(run, formatter)))
+        await send(_SSE_DONE)
         await response.write_eof()
-    except ConnectionResetError:
+    except (ConnectionResetError, TimeoutError):
         await run.abort()
+        response.force_close()
     except asyncio.CancelledError:
         await run.abort()
         raise

@@ -10,12 +10,19 @@ character not final yet:
 - a possible stop string: the tail of the text that is a proper prefix of some stop string is
   held back until the next token decides it (a match cuts it, anything else releases it), or
   until ``flush()`` when the request ends for another reason.
+
+Stop strings are matched by a ``StopMatcher`` (Aho-Corasick), fed each new character once: the
+cost per token does not grow with the number or length of the stop strings. The first stop
+string to complete wins (the longest of those completing at the same character), so the result
+does not depend on how the ids were split into updates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+from bastion.core.stop_matcher import StopMatcher
 
 # Prompt tokens decoded ahead of the output so that the first output token decodes in context
 # (SentencePiece decoders strip the leading space of a window's first token).
@@ -46,16 +53,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False) -> None:
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
+        self._matcher = StopMatcher(self.stop) if self.stop else None  # raises on "" stops
         self.include_stop_str_in_output = include_stop_str_in_output
         self.output_text = ""
         self.stop_string: str | None = None
         self.is_finished = False
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
         # The decoding window: _window[:_read_offset] is context whose text was already
         # produced (the prompt's tail at first), the rest is pending.
         self._window: list[int] = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
@@ -74,11 +79,10 @@ class IncrementalDetokenizer:
         ids = list(new_token_ids)
         if stop_terminated and ids and not self.include_stop_str_in_output:
             ids.pop()
-        num_chars_before = len(self.output_text)
         for token_id in ids:
             self._window.append(token_id)
             self.output_text += self._decode_pending(allow_incomplete=False)
-        if self.stop and self._match_stop(num_chars_before):
+        if self._match_stop():
             self.is_finished = True
             return DetokenizerDelta(self._take(len(self.output_text)), self.stop_string)
         return DetokenizerDelta(self._take(len(self.output_text) - self._num_held_chars()), None)
@@ -91,13 +95,11 @@ class IncrementalDetokenizer:
         """
         if self.is_finished:
             return ""
-        num_chars_before = len(self.output_text)
         self.output_text += self._decode_pending(allow_incomplete=True)
         self.is_finished = True
-        if self.stop:
-            # A stop string cannot hide in held-back text (it would have matched already), but
-            # the forced decode above may complete one, e.g. a stop string that contains U+FFFD.
-            self._match_stop(num_chars_before)
+        # A stop string cannot hide in held-back text (it would have matched already), but
+        # the forced decode above may complete one, e.g. a stop string that contains U+FFFD.
+        self._match_stop()
         return self._take(len(self.output_text))
 
     def _decode_pending(self, allow_incomplete: bool) -> str:
@@ -127,33 +129,26 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
-    def _match_stop(self, num_chars_before: int) -> bool:
-        """Find the earliest stop string in the text added since ``num_chars_before``; on a
-        match, cut ``output_text`` and record it."""
-        best_index, best_stop = -1, ""
-        for stop in self.stop:
-            start = max(num_chars_before - len(stop) + 1, 0)
-            index = self.output_text.find(stop, start)
-            if index != -1 and (best_index == -1 or index < best_index):
-                best_index, best_stop = index, stop
-        if best_index == -1:
+    def _match_stop(self) -> bool:
+        """Feed the text added since the last call to the matcher; on a match, cut
+        ``output_text`` and record the stop string."""
+        if self._matcher is None:
             return False
-        end = best_index + len(best_stop) if self.include_stop_str_in_output else best_index
+        match = self._matcher.feed(self.output_text[self._matcher.num_fed_chars:])
+        if match is None:
+            return False
+        start = match.end - len(match.stop)
+        end = match.end if self.include_stop_str_in_output else start
         # NOTE: never cuts into emitted text: a stop string that started before this update
         # had its beginning held back by _num_held_chars.
         assert end >= self._num_emitted_chars
         self.output_text = self.output_text[:end]
-        self.stop_string = best_stop
+        self.stop_string = match.stop
         return True
 
     def _num_held_chars(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        text = self.output_text
-        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-length:]
-            if any(stop.startswith(tail) for stop in self.stop):
-                return length
-        return 0
+        return 0 if self._matcher is None else self._matcher.num_pending_chars
 
     def _take(self, end: int) -> str:
         end = max(end, self._num_emitted_chars)

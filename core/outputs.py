@@ -18,7 +18,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: str | None = None  # stop | length | abort | error | timeout
     stop_reason: int | str | None = None
     # Per generated token: {token id: TokenLogprob} with the sampled token and the top-N.
     logprobs: list[dict[int, TokenLogprob]] | None = None

@@ -53,6 +53,13 @@ class Scheduler:
     # ---------------------------------------------------------------- admission and removal
 
     def add_request(self, request: Request) -> None:
+        if request.deadline is not None and request.deadline < time.time():
+            # Its deadline passed on the way here: answer now rather than after a prefill.
+            error = "the request's deadline passed before it could be scheduled"
+            request.finish(FinishReason.TIMEOUT, error=error)
+            self.rejected.append(EngineCoreOutput(request.request_id, [], FinishReason.TIMEOUT,
+                                                  error=error))
+            return
         error = self._admission_error(request)
         if error is not None:
             request.finish(FinishReason.ERROR, error=error)
@@ -267,9 +274,9 @@ class Scheduler:
         outputs = []
         for request in expired:
             error = "the request's deadline passed before it could complete"
-            request.finish(FinishReason.ERROR, error=error)
+            request.finish(FinishReason.TIMEOUT, error=error)
             self._remove(request)
-            outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
+            outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.TIMEOUT,
                                             error=error))
         return outputs
 

@@ -90,10 +90,13 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1  # max_tokens or max_model_len reached
     ABORT = 2  # aborted by the client or the server
     ERROR = 3  # the request could not be served (message in ``EngineCoreOutput.error``)
+    # NOTE: its own reason, not ERROR: the API answers a passed deadline with 504
+    # deadline_exceeded (a client's choice, not a server bug to retry), never with 500.
+    TIMEOUT = 4  # the request's deadline passed before it could complete
 
     @property
     def openai_name(self) -> str:
-        return ("stop", "length", "abort", "error")[self]
+        return ("stop", "length", "abort", "error", "timeout")[self]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,6 +43,9 @@ from bastion.procs.lifecycle import Child, HandshakeServer, encode_config, ipc_a
 
 logger = logging.getLogger(__name__)
 
+# CPU the output loop spends on one step's outputs before it lets other tasks run.
+OUTPUT_SLICE_S = 0.005
+
 
 @dataclass
 class _Seq:
@@ -71,17 +74,22 @@ class _Stream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[SeqDelta]:
-        while self.num_open > 0:
-            delta: SeqDelta = await self.queue.get()
-            if delta.finish_reason is not None:
-                self.num_open -= 1
-            yield delta
-        self.client._streams.pop(self.request_id, None)
+        try:
+            while self.num_open > 0:
+                delta: SeqDelta = await self.queue.get()
+                if delta.finish_reason is not None:
+                    self.num_open -= 1
+                yield delta
+        finally:
+            # NOTE: also when the reader stops early (an error delta, a client gone): a stream
+            # whose last delta was read must not stay in the client's tables.
+            self.client._release_stream(self)
 
     async def abort(self) -> None:
-        if self.num_open > 0:
-            self.num_open = 0
-            self.client._abort_stream(self)
+        """Stop every open choice in its engine and forget the request. Safe to call more
+        than once and after the stream ended (then it only makes sure nothing is left)."""
+        self.num_open = 0
+        self.client._release_stream(self)
 
 
 class AsyncEngineClient:
@@ -203,15 +211,15 @@ class AsyncEngineClient:
         return min(self.engine_ids,
                    key=lambda i: self._inflight[i] * 4 + self._stats[i].num_waiting_reqs)
 
-    def _abort_stream(self, stream: _Stream) -> None:
+    def _release_stream(self, stream: _Stream) -> None:
+        """Drop every trace of a client request; abort its sequences still in an engine."""
         by_engine: dict[int, list[str]] = {}
         for seq in stream.seqs:
-            if seq.child_id not in self._open:
-                continue
             self.processor.remove(seq.child_id)
-            if self._close(seq):
+            if seq.child_id in self._open and self._close(seq):
                 by_engine.setdefault(seq.engine_id, []).append(seq.engine_request_id)
-        self._streams.pop(stream.request_id, None)
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
         for engine_id, ids in by_engine.items():
             self.input_sockets[engine_id].send_multipart(encode(AbortRequests(ids)))
 
@@ -243,32 +251,47 @@ class AsyncEngineClient:
         while True:
             kind, msg = decode(await self.output_socket.recv_multipart())
             if kind == MsgKind.OUTPUTS:
-                self._on_outputs(msg)
+                await self._on_outputs(msg)
 
-    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+    async def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        """Detokenize and match stop strings for one step's outputs, in slices of at most
+        ``OUTPUT_SLICE_S`` of CPU between which the event loop serves everything else."""
         if outs.stats is not None and outs.engine_id in self._stats:
             self._stats[outs.engine_id] = outs.stats
             if self.on_stats is not None:
                 self.on_stats(self.engine_ids.index(outs.engine_id), outs.stats)
         to_abort: list[str] = []
+        slice_end = time.perf_counter() + OUTPUT_SLICE_S
         for out in outs.outputs:
-            seq = self._by_engine_id.get(out.request_id)
-            if seq is None:
-                continue  # aborted, finished, or a stale output of an earlier epoch
+            if time.perf_counter() > slice_end:
+                # NOTE: a step of a full batch (hundreds of sequences, each with stop strings
+                # and logprobs) costs tens of ms here; in one go it would hold up /health and
+                # every other request's chunks for as long (vLLM V1 chunks its output handler
+                # the same way). What runs meanwhile may abort or resubmit sequences: each
+                # output is looked up again below, so a dropped one is skipped.
+                await asyncio.sleep(0)
+                slice_end = time.perf_counter() + OUTPUT_SLICE_S
             engine_request_id = out.request_id
-            out.request_id = seq.child_id
-            delta, must_abort = self.processor.process(out)
-            if delta is None:
-                continue
-            seq.stream.num_cached_tokens = max(seq.stream.num_cached_tokens,
-                                               out.num_cached_tokens)
-            if delta.finish_reason is not None:
-                self._close(seq)
-            if must_abort:
+            if self._on_output(out):
                 to_abort.append(engine_request_id)
-            seq.stream.queue.put_nowait(delta)
         if to_abort:
             self.input_sockets[outs.engine_id].send_multipart(encode(AbortRequests(to_abort)))
+
+    def _on_output(self, out: EngineCoreOutput) -> bool:
+        """Route one output to its stream; True when the engine must abort it (a stop string
+        matched, which only the front end sees)."""
+        seq = self._by_engine_id.get(out.request_id)
+        if seq is None:
+            return False  # aborted, finished, or a stale output of an earlier epoch
+        out.request_id = seq.child_id
+        delta, must_abort = self.processor.process(out)
+        if delta is None:
+            return False
+        seq.stream.num_cached_tokens = max(seq.stream.num_cached_tokens, out.num_cached_tokens)
+        if delta.finish_reason is not None:
+            self._close(seq)
+        seq.stream.queue.put_nowait(delta)
+        return must_abort
 
     # ------------------------------------------------------------------- fault tolerance
 
@@ -328,7 +351,7 @@ class AsyncEngineClient:
             for seq in list(self._open.values()):
                 deadline = seq.request.deadline
                 if deadline is not None and deadline < now and not self.is_ready():
-                    self._finish_seq(seq, FinishReason.ERROR,
+                    self._finish_seq(seq, FinishReason.TIMEOUT,
                                      "the request's deadline passed while the engines were "
                                      "recovering")
 
@@ -370,6 +393,14 @@ class AsyncEngineClient:
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every per-request table; all 0 when no request is in flight (a leak
+        shows here first, so ``/metrics`` exports it)."""
+        return {"streams": len(self._streams), "sequences": len(self._open),
+                "engine_requests": len(self._by_engine_id), "held": len(self._held),
+                "output_states": len(self.processor.seqs),
+                "inflight": sum(self._inflight.values())}
 
     def children_alive(self) -> bool:
         return all(c.is_alive() for c in self.sentinels.values())

@@ -50,6 +50,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-prefix", default="bastion",
                         help="prefix of the /metrics series; vllm serves vLLM's names "
                              "(vllm:num_requests_waiting, ...) for its dashboards")
+    parser.add_argument("--http-header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a complete request head, "
+                             "from its opening or its previous response; idle keep-alive "
+                             "connections close after as long (0: never)")
+    parser.add_argument("--http-idle-timeout", type=float, default=60.0,
+                        help="seconds a request may go without progress while its body is "
+                             "read or its response written, before it is dropped (0: never)")
+    parser.add_argument("--max-connections", type=int, default=1000,
+                        help="open HTTP connections at most; more get 503 at once")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -62,7 +71,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = build_engine_config("serve", **engine_kwargs(args))
     api_config = ApiConfig(host=args.host, port=args.port, api_key=args.api_key,
                            admin_key=args.admin_key, metrics_prefix=args.metrics_prefix,
-                           enable_fault_injection=args.enable_fault_injection)
+                           enable_fault_injection=args.enable_fault_injection,
+                           http_header_timeout_s=args.http_header_timeout,
+                           http_idle_timeout_s=args.http_idle_timeout,
+                           max_connections=args.max_connections)
     error = port_in_use(args.host, args.port)
     if error is not None:
         raise UserError(error)
@@ -164,13 +176,9 @@ class Server:
                 raise RuntimeError("the engine group did not become healthy")
             logger.info("engines ready in %.1f s", time.perf_counter() - t0)
             app = self._build_app(client)
-            # handler_cancellation: a client that goes away cancels its handler, which aborts
-            # the request in the engine (also for non-streamed requests).
-            runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                                   handler_cancellation=True)
-            await runner.setup()
-            site = web.TCPSite(runner, self.args.host, self.args.port)
-            await site.start()
+            from bastion.api.server import CONFIG_KEY, start_server
+
+            runner = await start_server(app, app[CONFIG_KEY])
             logger.info("serving %s on http://%s:%d", model_name, self.args.host, self.args.port)
             self.notifier.ready()
             self.notifier.status("serving")

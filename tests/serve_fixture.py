@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -190,6 +191,23 @@ class ServerProcess:
             name_labels, value = line.rsplit(" ", 1)
             values[name_labels.split("{", 1)[0]] = float(value)
         return values
+
+    def request_tables(self) -> dict[str, float]:
+        """The API process's per-request tables and their sizes
+        (``bastion:api_request_table_entries`` by table)."""
+        _, body = self.get("/metrics")
+        pattern = r'^bastion:api_request_table_entries\{[^}]*table="(\w+)"[^}]*\} (\S+)$'
+        return {m[1]: float(m[2]) for m in re.finditer(pattern, body.decode(), re.MULTILINE)}
+
+    def wait_request_tables_empty(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """The tables once all are empty, or as they are after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            tables = self.request_tables()
+            assert tables, "the request-table gauge is missing from /metrics"
+            if not any(tables.values()) or time.monotonic() > deadline:
+                return tables
+            time.sleep(0.1)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         """Send ``sig`` and wait for the exit code (SIGKILL after ``timeout_s``)."""

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import ipaddress
 import json
 import os
 import re
+import socket
 import time
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from bastion.api.auth import is_loopback
 from bastion.api.config import METRICS_KEY, STATE_KEY, ApiConfigError
 from bastion.api.server import ApiConfig, build_app
 from bastion.core.config import CacheConfig
@@ -373,11 +376,23 @@ _LONG = " ".join(["word"] * 80)
      "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs", None),
+    # The bounds on stop strings (ApiConfig.max_stop_strings, max_stop_len, ...).
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 65}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop": "s" * 257}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids",
+     None),
+    # What a decoder can raise beyond a syntax error.
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000, 400, None, None),
+    ("/v1/completions", b'{"prompt": "x", "n": 1' + b"0" * 40 + b"}", 400, "n", None),
+    ("/v1/completions", b'{"prompt": "x", "seed": -1' + b"0" * 40 + b"}", 400, "seed", None),
+    ("/v1/completions", b'{"prompt": [1' + b"0" * 40 + b"]}", 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, None, None),
+    ("/v1/completions", b"\xff\xfe", 400, None, None),
 ])
 async def test_bad_requests_never_reach_the_engine(serve, path, body, status, param, code):
     http, engine = await serve()
     if isinstance(body, bytes):
-        resp = await http.post(path, data=body)
+        resp = await http.post(path, data=body, headers={"Content-Type": "application/json"})
     else:
         resp = await http.post(path, json=body)
     assert resp.status == status
@@ -406,7 +421,8 @@ async def test_context_length_messages_name_the_limit(serve):
 
 async def test_http_errors_in_openai_shape(serve):
     http, _ = await serve(ApiConfig(max_body_bytes=2048))
-    resp = await http.post("/v1/completions", data=b'{"prompt": "' + b"x" * 4000 + b'"}')
+    resp = await http.post("/v1/completions", data=b'{"prompt": "' + b"x" * 4000 + b'"}',
+                           headers={"Content-Type": "application/json"})
     assert resp.status == 413
     assert (await resp.json())["error"]["code"] == "request_too_large"
     resp = await http.get("/v1/nothing")
@@ -491,6 +507,34 @@ async def test_deadline_from_header_and_body(serve):
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "timeout"
 
 
+async def test_stalled_body_gets_408(serve):
+    http, engine = await serve(ApiConfig(http_idle_timeout_s=0.3))
+    reader, writer = await asyncio.open_connection(http.host, http.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 408")
+    writer.close()
+    assert engine.requests == []
+
+
+async def test_client_that_stops_reading_its_stream_is_dropped(serve):
+    http, engine = await serve(ApiConfig(http_idle_timeout_s=0.3))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few chunks
+    sock.connect((http.host, http.port))
+    _, writer = await asyncio.open_connection(sock=sock)
+    body = json.dumps({"prompt": ["x"] * 64, "n": 16, "max_tokens": 60, "stream": True,
+                       "logprobs": 20}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    # Never read: the server's writes stall, and after the idle timeout it gives up.
+    await wait_until(lambda: len(engine.aborted) == 64, timeout=20)
+    writer.close()
+
+
 # -------------------------------------------------------------------- health, metrics, docs
 
 
@@ -518,7 +562,7 @@ async def test_draining_refuses_new_requests(serve):
 
 
 def _sample(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing"
     return float(match.group(1))
 
@@ -647,10 +691,10 @@ async def test_fault_tolerance_routes(serve):
     assert resp.status == 400
     assert (await resp.json())["error"]["param"] == "instruction"
     resp = await http.post("/fault_tolerance/apply", json={"instruction": "reinit",
-                                                           "params": {"engine": 1}},
+                                                           "params": {}},
                            headers=auth)
     assert resp.status == 202 and (await resp.json())["request_id"] == "ft-1"
-    assert handler.calls == [("apply", "reinit", {"engine": 1})]
+    assert handler.calls == [("apply", "reinit", {})]
     resp = await http.get("/fault_tolerance/status", headers=auth)
     assert (await resp.json()) == {"engines": [{"engine_id": 0, "state": "healthy", "epoch": 3}]}
     resp = await http.post("/fault_tolerance/inject", json={"kind": "raise"}, headers=auth)
@@ -667,6 +711,78 @@ async def test_fault_injection_when_enabled(serve):
     resp = await http.post("/fault_tolerance/inject", json={"kind": "hang", "engine": 1})
     assert resp.status == 200
     assert handler.calls == [("inject", "hang", 1)]
+
+
+def own_non_loopback_address() -> str | None:
+    """An address of this machine that is not loopback (connecting a UDP socket sends
+    nothing; it only picks the interface a packet would leave by)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = sock.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+@pytest.mark.parametrize("remote, expected", [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("10.0.0.1", False), ("192.0.2.2", False), ("::ffff:10.0.0.1", False), ("fd00::2", False),
+    ("", False), (None, False), ("not-an-ip", False)])
+def test_is_loopback(remote, expected):
+    assert is_loopback(remote) is expected
+
+
+async def test_control_routes_answer_only_loopback_without_an_admin_key(tokenizer):
+    address = own_non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    for config, headers, allowed in ((ApiConfig(), {}, False),
+                                     (ApiConfig(api_key="k"), {"Authorization": "Bearer k"},
+                                      False),
+                                     (ApiConfig(admin_key="a"), {"Authorization": "Bearer a"},
+                                      True)):
+        handler = FakeFaultHandler()
+        app = build_app(FakeEngine(tokenizer), config, handler)
+        async with TestClient(TestServer(app, host=address)) as http:
+            resp = await http.post("/fault_tolerance/apply", json={"instruction": "retry"},
+                                   headers=headers)
+            status = await http.get("/fault_tolerance/status", headers=headers)
+            models = await http.get("/v1/models", headers=headers)
+            assert models.status == 200
+            if allowed:
+                assert (resp.status, status.status) == (202, 200)
+            else:
+                assert (resp.status, status.status) == (403, 403)
+                assert (await resp.json())["error"]["code"] == "admin_key_required"
+                assert handler.calls == []
+
+
+async def test_fault_tolerance_bodies_are_strict(serve):
+    handler = FakeFaultHandler()
+    http, _ = await serve(ApiConfig(enable_fault_injection=True), ft_handler=handler)
+    for body, param in (({"instruction": "retry", "params": None}, "params"),
+                        ({"instruction": "retry", "params": {"engine": 0}}, "params"),
+                        ({"instruction": "retry", "params": []}, "params"),
+                        ({"instruction": "retry", "extra": 1}, "extra"),
+                        ({"instruction": ["retry"]}, "instruction"),
+                        ({}, "instruction")):
+        resp = await http.post("/fault_tolerance/apply", json=body)
+        assert resp.status == 400, body
+        assert (await resp.json())["error"]["param"] == param, body
+    for body, param in (({"kind": "raise", "engine": "0"}, "engine"),
+                        ({"kind": "raise", "engine": True}, "engine"),
+                        ({"kind": "raise", "engine": 10**30}, "engine"),
+                        ({"kind": "raise", "target": 0}, "target")):
+        resp = await http.post("/fault_tolerance/inject", json=body)
+        assert resp.status == 400, body
+        assert (await resp.json())["error"]["param"] == param, body
+    resp = await http.post("/fault_tolerance/apply", data=b'{"instruction": "retry"}',
+                           headers={"Content-Type": "text/plain"})
+    assert resp.status == 415
+    assert handler.calls == []
+    resp = await http.post("/fault_tolerance/apply", json={"instruction": "retry"})
+    assert resp.status == 202 and handler.calls == [("apply", "retry", {})]
 
 
 async def test_fault_tolerance_status_without_handler(serve):

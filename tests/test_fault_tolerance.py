@@ -247,6 +247,10 @@ def test_no_kv_block_leaks_and_fault_series_after_faults(auto_server):
     for kind in ("injected", "process_exit", "hang"):
         assert f'bastion:engine_faults_total{{kind="{kind}"' in text, kind
     assert 'bastion:engine_recoveries_total{action="auto-reinit"' in text
+    # Every request that lived through a fault (resubmitted at the new epoch) left the API
+    # process's request tables too.
+    tables = auto_server.wait_request_tables_empty()
+    assert not any(tables.values()), tables
 
 
 def test_manual_mode_status_then_one_apply_recovers(moe_folder):

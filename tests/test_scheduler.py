@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from bastion.core.config import CacheConfig, SchedulerConfig
 from bastion.core.request import Request, RequestStatus
 from bastion.core.scheduler import Scheduler
@@ -263,3 +265,13 @@ def test_first_output_carries_queue_and_prefill_time_and_stats_the_step_sizes(mo
     stats = s.make_stats()
     assert stats.iteration_tokens == [6, 1] and stats.num_gpu_blocks == 16
     assert s.make_stats().iteration_tokens == []  # deltas: each step is reported once
+def test_request_whose_deadline_passed_on_the_way_is_answered_without_a_prefill():
+    s = make_scheduler()
+    s.add_request(req("late", 4, deadline=time.time() - 1e-3))
+    s.add_request(req("on_time", 4, deadline=time.time() + 60))
+    assert list(s.requests) == ["on_time"]
+    (late,) = s.take_rejected()
+    assert (late.request_id, late.finish_reason) == ("late", FinishReason.TIMEOUT)
+    assert "deadline passed" in late.error
+    out, _ = run_step(s)
+    assert set(out.num_scheduled_tokens) == {"on_time"}
