@@ -64,12 +64,17 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) in %.2f s", num_blocks,
                     config.cache.block_size, num_blocks * bytes_per_block / 2**20,
                     time.perf_counter() - start)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
+        spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len,
+                                   spec.num_speculative_tokens if spec is not None else 0)
         par = config.parallel
         self.is_coupled = par.data_parallel_size > 1 and par.enable_expert_parallel
         # NOTE: a coupled group's engines must run the same number of forwards (their expert
         # collectives pair up), which a step queue that drains at different times would break.
-        self.async_scheduling = config.scheduler.async_scheduling and not self.is_coupled
+        # NOTE: and not while speculating: a verify step's number of emitted tokens is known
+        # only after it runs, so the next step cannot be scheduled ahead of it (yet).
+        self.async_scheduling = (config.scheduler.async_scheduling and not self.is_coupled
+                                 and spec is None)
         # A coupled group's agreement for one round: (this engine's tokens, decode-only) ->
         # (the most tokens of any engine, every engine decode-only). Set by the engine process
         # (its DP group's all-reduce); tests may set their own.
