@@ -15,6 +15,7 @@ from bastion.core.config import ConfigError, EngineConfig
 from bastion.core.executor import Executor, StepResult
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
+from bastion.core.spec_decode.metrics import SpecDecodingLogger
 from bastion.ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -75,6 +76,8 @@ class EngineCore:
         # only after it runs, so the next step cannot be scheduled ahead of it (yet).
         self.async_scheduling = (config.scheduler.async_scheduling and not self.is_coupled
                                  and spec is None)
+        self.spec_logger = (SpecDecodingLogger(spec.num_speculative_tokens) if spec is not None
+                            else None)
         # A coupled group's agreement for one round: (this engine's tokens, decode-only) ->
         # (the most tokens of any engine, every engine decode-only). Set by the engine process
         # (its DP group's all-reduce); tests may set their own.
@@ -109,8 +112,10 @@ class EngineCore:
             sched = self._schedule()
             result = self.executor.execute_model_async(sched)
             outputs = self.scheduler.update_from_output(sched, result.output())
-        return EngineCoreOutputs(self.engine_id, outputs, self.scheduler.make_stats(),
-                                 time.time())
+        stats = self.scheduler.make_stats()
+        if self.spec_logger is not None:
+            self.spec_logger.observe(stats)
+        return EngineCoreOutputs(self.engine_id, outputs, stats, time.time())
 
     def _schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()

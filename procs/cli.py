@@ -48,6 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             else:
                 group.add_argument(flag, dest=f.name, type=kind, default=default)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--speculative-config", dest="speculative_config", default=None,
+                        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+                             '"prompt_lookup_max": 4}')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,6 +59,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {name: getattr(args, name) for name in names}
     if args.device is not None:
         kwargs["device"] = args.device
+    if getattr(args, "speculative_config", None) is not None:
+        kwargs["speculative_config"] = args.speculative_config
     return kwargs
 
 
