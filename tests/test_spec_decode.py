@@ -307,3 +307,24 @@ def test_ngram_seeded_sampling_is_reproducible():
     first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
     assert first == again and all(len(t) == 20 for t in first)
+
+
+def test_ngram_plain_steps_replay_the_decode_graph_and_verify_steps_run_eager(reference):
+    """On a GPU, steps without drafts keep the CUDA-graph decode path; steps with drafts run
+    eager. Here the graph runner runs eagerly on the CPU, as in test_llm."""
+    from bastion.core.llm import LLM
+
+    llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    runner = llm.engine.executor.runner
+    runner.graph_runner = runner.build_graph_runner()
+    calls = []
+    run = runner.graph_runner.run
+
+    def counting_run(inputs, *args):
+        calls.append(len(inputs.input_ids))
+        return run(inputs, *args)
+
+    runner.graph_runner.run = counting_run
+    totals = _count_spec(llm)
+    assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
+    assert calls and totals["drafts"] > 0
