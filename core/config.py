@@ -168,7 +168,7 @@ class SpeculativeConfig:
     ``ngram`` drafts ``num_speculative_tokens`` tokens by prompt lookup: the longest suffix of
     ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens that occurred earlier in the sequence
     proposes the tokens that followed it. ``draft_model`` (a smaller model with the same
-    vocabulary) is accepted by the schema but not implemented yet: it fails at start-up.
+    vocabulary, a GGUF file or a Hugging Face folder) drafts with that model.
     """
 
     method: str = "ngram"
@@ -197,8 +197,9 @@ class SpeculativeConfig:
             if self.model is None:
                 raise ConfigError("speculative_config method draft_model needs 'model' (the "
                                   "path of a smaller model with the target's vocabulary)")
-            raise ConfigError("speculative_config method draft_model is not implemented yet; "
-                              "use {\"method\": \"ngram\", ...}")
+            if not os.path.exists(self.model):
+                raise ConfigError(f"speculative_config model path {self.model!r} does not "
+                                  "exist (a GGUF file or a Hugging Face folder)")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None

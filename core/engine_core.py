@@ -66,8 +66,11 @@ class EngineCore:
                     config.cache.block_size, num_blocks * bytes_per_block / 2**20,
                     time.perf_counter() - start)
         spec = config.speculative
+        num_spec = spec.num_speculative_tokens if spec is not None else 0
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len,
-                                   spec.num_speculative_tokens if spec is not None else 0)
+                                   num_spec,
+                                   num_spec if spec is not None and spec.method == "draft_model"
+                                   else 0)
         par = config.parallel
         self.is_coupled = par.data_parallel_size > 1 and par.enable_expert_parallel
         # NOTE: a coupled group's engines must run the same number of forwards (their expert

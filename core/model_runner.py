@@ -16,6 +16,7 @@ from bastion.core.cuda_graphs import CUDAGraphRunner, DecodeInputs, default_capt
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
 from bastion.core.loader import get_max_model_len, load_model, resolve_model
 from bastion.core.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_tokens
+from bastion.core.spec_decode.draft_model import DraftModelProposer
 from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
@@ -50,6 +51,8 @@ class CachedRequestState:
     # ``pending_row`` of that step's sampled-token tensor on the device.
     num_pending: int = 0
     pending_row: int = 0
+    # Draft model: the distribution each of its current drafts was drawn from (None: greedy).
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -172,7 +175,9 @@ class ModelRunner:
         # NOTE: speculative steps run synchronously (the engine turns async scheduling off):
         # how many tokens a step emits is known only after it, so no step is prepared ahead.
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max) if spec is not None else None)
+                                       spec.prompt_lookup_max)
+                         if spec is not None and spec.method == "ngram" else None)
+        self.drafter: DraftModelProposer | None = None  # built in load_model
 
     # ------------------------------------------------------------------------- set-up
 
@@ -183,13 +188,17 @@ class ModelRunner:
         self.vocab_size = self.resolved.hf_config.vocab_size
         self.max_model_len = get_max_model_len(self.resolved.hf_config,
                                                self.config.model.max_model_len)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModelProposer(self.config, self.vocab_size)
         logger.info("model loaded in %.2f s", time.perf_counter() - start)
 
     def kv_cache_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
-                   for layer in layers)
+        draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
+        return draft + sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
+                           for layer in layers)
 
     def available_kv_cache_bytes(self) -> int:
         """Bytes the KV cache may take: the configured budget, or on a GPU what is left of
@@ -264,6 +273,8 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks, self.device)
         self.num_blocks = num_blocks
 
     def reset(self) -> None:
@@ -314,7 +325,7 @@ class ModelRunner:
         from that step's sampled tensor on the device, so this step queues behind it on the
         stream without the host ever waiting for it.
         """
-        if self.proposer is not None:
+        if self.proposer is not None or self.drafter is not None:
             return self._execute_spec(sched)
         self._fold_tokens(keep=1)
         self._apply_delta(sched)
@@ -357,8 +368,9 @@ class ModelRunner:
         if not sched.num_scheduled_tokens:
             return StepHandle(sched.step_id)
         spec = sched.scheduled_spec_decode_tokens
-        decode = (self._prepare_decode(sched) if not spec and self._can_replay(sched, 0)
-                  else None)
+        # The draft model shadows every target forward over the flat batch: no graph replay.
+        decode = (self._prepare_decode(sched) if not spec and self.drafter is None
+                  and self._can_replay(sched, 0) else None)
         if decode is not None:
             states, inputs = decode
             logits = self.model.compute_logits(self.graph_runner.run(inputs, None, 0))
@@ -366,18 +378,29 @@ class ModelRunner:
             batch = self._prepare_inputs(sched, None, 0, spec)
             with set_forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
+            if self.drafter is not None:
+                self.drafter.shadow(batch.input_ids, batch.positions, batch.meta)
             if not batch.sample_ids:
                 return StepHandle(sched.step_id)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
-        result = verify(logits, [
-            VerifyRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator,
-                          s.eos_token_id, spec.get(s.request_id, [])) for s in states])
-        drafts = []
+        requests = []
+        for s in states:
+            drafts = spec.get(s.request_id, [])
+            q = s.draft_probs[:len(drafts)] if drafts and s.draft_probs is not None else None
+            requests.append(VerifyRequest(s.params, s.prompt_token_ids, s.output_token_ids,
+                                          s.generator, s.eos_token_id, drafts, q))
+        result = verify(logits, requests)
         for state, token_ids in zip(states, result.token_ids):
             state.output_token_ids.extend(token_ids)
             state.token_ids.extend(token_ids)
-            drafts.append(self.proposer.propose(state.token_ids))
+        if self.drafter is not None:
+            proposed = self.drafter.propose(states, self.max_model_len)
+            drafts = proposed.token_ids
+            for state, q in zip(states, proposed.probs):
+                state.draft_probs = q
+        else:
+            drafts = [self.proposer.propose(s.token_ids) for s in states]
         return StepHandle.ready(ModelRunnerOutput(
             [s.request_id for s in states], [], result.logprobs, sched.step_id,
             result.token_ids, drafts))

@@ -30,7 +30,8 @@ class Scheduler:
     """
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, max_model_len: int, num_spec_tokens: int = 0) -> None:
+                 num_blocks: int, max_model_len: int, num_spec_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -50,6 +51,9 @@ class Scheduler:
         # Speculative decoding: each decode row may carry up to this many draft tokens (0: off).
         self.num_spec_tokens = num_spec_tokens
         self.spec_stats = _SpecStats(num_spec_tokens)
+        # Draft model: slots past a sampling row's tokens where the draft writes the KV of the
+        # tokens it proposes (scratch, rewritten by the next step).
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ---------------------------------------------------------------- admission and removal
 
@@ -138,8 +142,10 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + in_flight - request.num_computed_tokens, budget)
             drafts = self._take_drafts(request, num_new, budget) if request.spec_token_ids else []
-            new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts))
-            if new_block_ids is None and drafts:  # no room for lookahead: decode plainly
+            lookahead = (self._lookahead(request, num_new + len(drafts))
+                         if self.num_lookahead_tokens else 0)
+            new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
+            if new_block_ids is None and (drafts or lookahead):  # no room: decode plainly
                 drafts = []
                 new_block_ids = self.kv.allocate_slots(request, num_new)
             num_new += len(drafts)
@@ -173,7 +179,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, computed) is None:
+            lookahead = (self._lookahead(request, num_new + computed.num_tokens)
+                         if self.num_lookahead_tokens else 0)
+            if (self.kv.allocate_slots(request, num_new + lookahead, computed) is None
+                    and (not lookahead
+                         or self.kv.allocate_slots(request, num_new, computed) is None)):
                 break
             self.waiting.popleft()
             request.num_freed_blocks = 0  # the workers get its whole block table anew
@@ -208,6 +218,14 @@ class Scheduler:
             out.scheduled_spec_decode_tokens = spec_tokens
         self.finished_ids = []
         return out
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Lookahead slots for a row that samples this step (its ``num_new`` tokens reach its
+        end), within max_model_len."""
+        end = request.num_computed_tokens + num_new
+        if end < request.num_tokens:
+            return 0  # a prefill chunk short of the prompt's end samples nothing
+        return max(min(self.num_lookahead_tokens, self.max_model_len - end), 0)
 
     def _take_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts a decode row runs this step: as many as the token budget and the

@@ -45,6 +45,9 @@ class VerifyRequest(NamedTuple):
     generator: torch.Generator | None
     eos_token_id: int | None
     draft_token_ids: list[int]
+    # The proposer's distribution each draft was drawn from [len(drafts), V]; None: one-hot
+    # (a deterministic proposer such as ngram, or a greedy draft model).
+    draft_probs: torch.Tensor | None = None
 
 
 class VerifyOutput(NamedTuple):
@@ -146,8 +149,8 @@ def verify(logits: torch.Tensor, requests: list[VerifyRequest]) -> VerifyOutput:
         if req.params.is_greedy:
             emitted = _accept_greedy(greedy_ids[row:row + num_rows], [req])[0]
         else:
-            emitted = rejection_sample(probs[row:row + num_rows], req.draft_token_ids, None,
-                                       req.generator)
+            emitted = rejection_sample(probs[row:row + num_rows], req.draft_token_ids,
+                                       req.draft_probs, req.generator)
         token_ids.append(emitted)
         row += num_rows
 
