@@ -179,8 +179,9 @@ def test_speculative_config_is_validated_with_clear_errors():
          "prompt_lookup_min <= prompt_lookup_max"),
         ({"method": "ngram", "draft_tensor_parallel_size": 1}, "unknown key"),
         ({"num_speculative_tokens": 2}, "needs 'method'"),
-        ({"method": "draft_model", "model": "/x", "num_speculative_tokens": 2},
-         "not implemented yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2},
+         "does not exist"),
         ("{not json", "must be a JSON object"),
     ]
     for value, message in cases:
@@ -328,3 +329,66 @@ def test_ngram_plain_steps_replay_the_decode_graph_and_verify_steps_run_eager(re
     totals = _count_spec(llm)
     assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
     assert calls and totals["drafts"] > 0
+
+
+
+# ------------------------------------------------------------------------------ draft model
+
+
+@pytest.fixture(scope="module")
+def tiny_random_draft(tmp_path_factory) -> str:
+    """A random 2-layer Llama with the embedded model's vocabulary: its drafts are junk."""
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152),
+                                             dtype=torch.float32)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def _draft_config(model: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+def test_draft_model_equal_to_the_target_has_every_draft_accepted(reference,
+                                                                  embedded_gguf_path):
+    from bastion.core.llm import LLM
+
+    # Chunked prefill and preemption too: the draft's KV rides on the target's blocks.
+    llm = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=8,
+              num_gpu_blocks_override=16, speculative_config=_draft_config(embedded_gguf_path))
+    totals = _count_spec(llm)
+    assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
+    assert totals["preemptions"] > 0
+    assert totals["accepted"] == totals["draft_tokens"] > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+
+
+def test_random_draft_model_is_almost_never_accepted_and_changes_nothing(reference,
+                                                                         tiny_random_draft):
+    from bastion.core.llm import LLM
+
+    llm = LLM(dtype="float32", max_model_len=256, speculative_config=_draft_config(
+        tiny_random_draft))
+    totals = _count_spec(llm)
+    assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
+    assert totals["draft_tokens"] > 0 and totals["accepted"] <= totals["draft_tokens"] // 10
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+    # Sampling with the random draft's probabilities: reproducible from the seed.
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=12)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+    assert first == [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+
+
+def test_draft_model_with_another_vocabulary_fails_at_start_up(tmp_path):
+    from bastion.core.llm import LLM
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).save_pretrained(
+        tmp_path)
+    with pytest.raises(ConfigError, match="must share the target's vocabulary"):
+        LLM(dtype="float32", max_model_len=128, speculative_config=_draft_config(str(tmp_path)))
