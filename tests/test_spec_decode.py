@@ -392,3 +392,46 @@ def test_draft_model_with_another_vocabulary_fails_at_start_up(tmp_path):
         tmp_path)
     with pytest.raises(ConfigError, match="must share the target's vocabulary"):
         LLM(dtype="float32", max_model_len=128, speculative_config=_draft_config(str(tmp_path)))
+
+
+def test_speculative_config_reaches_worker_processes_and_the_cli():
+    import msgspec
+    from bastion.core.config import EngineConfig
+    from bastion.procs.cli import build_parser, engine_kwargs
+
+    config = build_engine_config(speculative_config=NGRAM)
+    decoded = msgspec.json.decode(msgspec.json.encode(config), type=EngineConfig)
+    assert decoded.speculative == config.speculative
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 2}'])
+    spec = build_engine_config(**engine_kwargs(args)).speculative
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 2)
+
+
+def test_spec_decode_metrics_and_log_line():
+    from bastion.api.metrics import ApiMetrics
+    from bastion.core.spec_decode.metrics import SpecDecodingLogger
+    from bastion.ipc.messages import SchedulerStats
+
+    class Client:
+        def scheduler_stats(self):
+            return []
+
+    metrics = ApiMetrics(Client(), "m")
+    stats = SchedulerStats(spec_num_drafts=4, spec_num_draft_tokens=12,
+                           spec_num_accepted_tokens=7, spec_num_accepted_tokens_per_pos=[4, 2, 1])
+    metrics.observe_scheduler_stats(0, stats)
+    text = metrics.render().decode()
+    for line in ('bastion:spec_decode_num_drafts_total{model_name="m"} 4.0',
+                 'bastion:spec_decode_num_draft_tokens_total{model_name="m"} 12.0',
+                 'bastion:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
+                 'bastion:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+                 'position="2"} 1.0'):
+        assert line in text
+    log = SpecDecodingLogger(3, interval_s=0.0)
+    log.observe(stats)  # logs and resets; a fresh summary shows the same numbers when refed
+    log.interval_s = 1e9
+    log.observe(stats)
+    assert log.summary().startswith("SpecDecoding metrics: mean acceptance length 2.75, "
+                                    "accepted 7/12 draft tokens (58.3 %), 4 drafts, "
+                                    "per-position acceptance [1.00, 0.50, 0.25]")
