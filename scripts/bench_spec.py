@@ -4,7 +4,7 @@ The workload asks the embedded SmolLM2-135M-Instruct to rewrite or continue pass
 given (the case prompt lookup is made for: the output repeats spans of the prompt), greedy, so
 the speculative outputs must be token-identical to plain decoding; the script checks that.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --batch-sizes 1 8 --max-tokens 64
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --batch-sizes 1 8
 
 Each configuration runs once to warm up and then ``--repeats`` times; the best run counts
 (other processes share a small CPU). Prints one table.
@@ -45,8 +45,9 @@ def prompts(batch_size: int) -> list[str]:
     return [all_prompts[i % len(all_prompts)] for i in range(batch_size)]
 
 
-def run(llm: LLM, batch: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def run(llm: LLM, batch: list[str], max_tokens: int,
+        ignore_eos: bool = False) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     start = time.perf_counter()
     outputs = llm.generate(batch, params)
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
@@ -55,7 +56,9 @@ def run(llm: LLM, batch: list[str], max_tokens: int) -> tuple[float, list[list[i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="always generate --max-tokens (default: a rewrite ends at EOS)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -88,7 +91,7 @@ def main() -> None:
             times = []
             for _ in range(args.repeats):
                 totals.update(drafts=0, accepted=0, draft_tokens=0)
-                elapsed, outs[name] = run(llm, batch, args.max_tokens)
+                elapsed, outs[name] = run(llm, batch, args.max_tokens, args.ignore_eos)
                 times.append(elapsed)
             best[name] = min(times)
         num_tokens = sum(len(t) for t in outs["plain"])

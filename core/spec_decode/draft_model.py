@@ -33,9 +33,13 @@ class DraftModelProposer:
     def __init__(self, config: EngineConfig, target_vocab_size: int) -> None:
         spec = config.speculative
         self.num_tokens = spec.num_speculative_tokens
+        # NOTE: a dummy target (benchmarks) gets a dummy draft: random weights from the
+        # draft's config.json and the target's seed.
+        load_format = "dummy" if config.model.load_format == "dummy" else "auto"
         model_config = config.model.__class__(
-            model=spec.model, dtype=config.model.dtype, device=config.model.device,
-            seed=config.model.seed, skip_tokenizer_init=True, enforce_eager=True)
+            model=spec.model, load_format=load_format, dtype=config.model.dtype,
+            device=config.model.device, seed=config.model.seed, skip_tokenizer_init=True,
+            enforce_eager=True)
         resolved = resolve_model(model_config)
         vocab_size = resolved.hf_config.vocab_size
         if vocab_size != target_vocab_size:
