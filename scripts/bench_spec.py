@@ -6,8 +6,9 @@ the speculative outputs must be token-identical to plain decoding; the script ch
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --batch-sizes 1 8
 
-Each configuration runs once to warm up and then ``--repeats`` times; the best run counts
-(other processes share a small CPU). Prints one table.
+All eight prompts run at each batch size, ``batch_size`` at a time. Each configuration runs
+once to warm up and then ``--repeats`` times; the best run counts (other processes share a
+small CPU). Prints one table.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ from bastion.core.scheduler import _SpecStats
 from bastion.ipc.messages import SamplingParams
 
 PASSAGES = [
-    "The river rose slowly through the night, and by morning the lower streets of the town were "
-    "under water. Shopkeepers carried their goods upstairs while the council opened the school "
-    "as a shelter for families who had to leave their homes.",
-    "To install the package, first create a virtual environment, then activate it and run the "
-    "installer. If the installer reports a missing compiler, install the build tools for your "
-    "system and run the installer again.",
-    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It happens in "
-    "the chloroplasts of plant cells, where chlorophyll absorbs mostly red and blue light and "
-    "reflects green, which is why leaves look green.",
-    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < "
-    "len(b):\n        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n"
-    "        else:\n            result.append(b[j])\n            j += 1\n    return result\n",
+    ("The river rose slowly through the night, and by morning the lower streets of the town were "
+     "under water. Shopkeepers carried their goods upstairs while the council opened the school "
+     "as a shelter for families who had to leave their homes."),
+    ("To install the package, first create a virtual environment, then activate it and run the "
+     "installer. If the installer reports a missing compiler, install the build tools for your "
+     "system and run the installer again."),
+    ("Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It happens in "
+     "the chloroplasts of plant cells, where chlorophyll absorbs mostly red and blue light and "
+     "reflects green, which is why leaves look green."),
+    ("def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < "
+     "len(b):\n        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n"
+     "        else:\n            result.append(b[j])\n            j += 1\n    return result\n"),
 ]
 TASKS = [
     "Rewrite the following passage exactly, word for word.\n\n{p}\n\nRewritten passage:\n",
@@ -40,17 +41,20 @@ TASKS = [
 ]
 
 
-def prompts(batch_size: int) -> list[str]:
-    all_prompts = [t.format(p=p) for t in TASKS for p in PASSAGES]
-    return [all_prompts[i % len(all_prompts)] for i in range(batch_size)]
+def prompts() -> list[str]:
+    return [t.format(p=p) for t in TASKS for p in PASSAGES]
 
 
-def run(llm: LLM, batch: list[str], max_tokens: int,
+def run(llm: LLM, batch_size: int, max_tokens: int,
         ignore_eos: bool = False) -> tuple[float, list[list[int]]]:
+    """All prompts, ``batch_size`` at a time (one ``generate`` call per group)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    all_prompts, token_ids = prompts(), []
     start = time.perf_counter()
-    outputs = llm.generate(batch, params)
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
+    for i in range(0, len(all_prompts), batch_size):
+        outputs = llm.generate(all_prompts[i:i + batch_size], params)
+        token_ids += [o.outputs[0].token_ids for o in outputs]
+    return time.perf_counter() - start, token_ids
 
 
 def main() -> None:
@@ -83,15 +87,14 @@ def main() -> None:
     _SpecStats.observe = counting
     rows = []
     for batch_size in args.batch_sizes:
-        batch = prompts(batch_size)
         best = {}
         outs = {}
         for name, llm in (("plain", plain), ("ngram", spec)):
-            run(llm, batch, 8)  # warm-up
+            run(llm, 8, 8)  # warm-up
             times = []
             for _ in range(args.repeats):
                 totals.update(drafts=0, accepted=0, draft_tokens=0)
-                elapsed, outs[name] = run(llm, batch, args.max_tokens, args.ignore_eos)
+                elapsed, outs[name] = run(llm, batch_size, args.max_tokens, args.ignore_eos)
                 times.append(elapsed)
             best[name] = min(times)
         num_tokens = sum(len(t) for t in outs["plain"])
@@ -109,7 +112,7 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['output_tokens']:>7} {r['plain_tok_s']:>12.1f} "
               f"{r['ngram_tok_s']:>12.1f} {r['speedup']:>7.2f}x "
               f"{r['mean_acceptance_length']:>16.2f} {100 * r['draft_acceptance_rate']:>12.1f}% "
-              f"{str(r['identical']):>10}")
+              f"{r['identical']!s:>10}")
     if args.json:
         print(json.dumps(rows))
 

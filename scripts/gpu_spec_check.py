@@ -38,8 +38,8 @@ def main() -> None:
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 5000 + 10 for j in range(40 + 9 * i)]}
                for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    common = dict(model=CONFIG, load_format="dummy", dtype="float32", max_model_len=1024,
-                  skip_tokenizer_init=True, gpu_memory_utilization=0.5)
+    common = {"model": CONFIG, "load_format": "dummy", "dtype": "float32",
+              "max_model_len": 1024, "skip_tokenizer_init": True, "gpu_memory_utilization": 0.5}
     results = {}
     for name, spec in (("plain", None),
                        ("ngram", {"method": "ngram", "num_speculative_tokens": 4}),
@@ -51,8 +51,8 @@ def main() -> None:
         if runner.graph_runner is not None:
             run = runner.graph_runner.run
 
-            def counting_run(inputs, *args, _run=run):
-                replays[0] += 1
+            def counting_run(inputs, *args, _run=run, _replays=replays):
+                _replays[0] += 1
                 return _run(inputs, *args)
 
             runner.graph_runner.run = counting_run

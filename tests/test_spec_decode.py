@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from bastion.core.config import CacheConfig, ConfigError, SchedulerConfig, build_engine_config
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
@@ -384,9 +385,10 @@ def test_random_draft_model_is_almost_never_accepted_and_changes_nothing(referen
 
 
 def test_draft_model_with_another_vocabulary_fails_at_start_up(tmp_path):
-    from bastion.core.llm import LLM
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from bastion.core.llm import LLM
 
     AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).save_pretrained(
         tmp_path)
@@ -396,6 +398,7 @@ def test_draft_model_with_another_vocabulary_fails_at_start_up(tmp_path):
 
 def test_speculative_config_reaches_worker_processes_and_the_cli():
     import msgspec
+
     from bastion.core.config import EngineConfig
     from bastion.procs.cli import build_parser, engine_kwargs
 
@@ -425,8 +428,8 @@ def test_spec_decode_metrics_and_log_line():
     for line in ('bastion:spec_decode_num_drafts_total{model_name="m"} 4.0',
                  'bastion:spec_decode_num_draft_tokens_total{model_name="m"} 12.0',
                  'bastion:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
-                 'bastion:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
-                 'position="2"} 1.0'):
+                 ('bastion:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+                  'position="2"} 1.0')):
         assert line in text
     log = SpecDecodingLogger(3, interval_s=0.0)
     log.observe(stats)  # logs and resets; a fresh summary shows the same numbers when refed
