@@ -45,11 +45,12 @@ def prompts() -> list[str]:
     return [t.format(p=p) for t in TASKS for p in PASSAGES]
 
 
-def run(llm: LLM, batch_size: int, max_tokens: int,
-        ignore_eos: bool = False) -> tuple[float, list[list[int]]]:
-    """All prompts, ``batch_size`` at a time (one ``generate`` call per group)."""
+def run(llm: LLM, batch_size: int, max_tokens: int, ignore_eos: bool = False,
+        num_prompts: int = 8) -> tuple[float, list[list[int]]]:
+    """The first ``num_prompts`` prompts, ``batch_size`` at a time (one ``generate`` call per
+    group)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    all_prompts, token_ids = prompts(), []
+    all_prompts, token_ids = prompts()[:num_prompts], []
     start = time.perf_counter()
     for i in range(0, len(all_prompts), batch_size):
         outputs = llm.generate(all_prompts[i:i + batch_size], params)
@@ -64,6 +65,8 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="always generate --max-tokens (default: a rewrite ends at EOS)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=8,
+                        help="the first N of the 8 prompts (1: the word-for-word rewrite only)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
@@ -94,7 +97,8 @@ def main() -> None:
             times = []
             for _ in range(args.repeats):
                 totals.update(drafts=0, accepted=0, draft_tokens=0)
-                elapsed, outs[name] = run(llm, batch_size, args.max_tokens, args.ignore_eos)
+                elapsed, outs[name] = run(llm, batch_size, args.max_tokens, args.ignore_eos,
+                                          args.num_prompts)
                 times.append(elapsed)
             best[name] = min(times)
         num_tokens = sum(len(t) for t in outs["plain"])
