@@ -438,3 +438,31 @@ def test_spec_decode_metrics_and_log_line():
     assert log.summary().startswith("SpecDecoding metrics: mean acceptance length 2.75, "
                                     "accepted 7/12 draft tokens (58.3 %), 4 drafts, "
                                     "per-position acceptance [1.00, 0.50, 0.25]")
+
+
+def test_served_completion_speculates_through_worker_processes(plain_llm, tmp_path):
+    """``bastion serve --speculative-config``: the worker process drafts and verifies, the
+    completion matches plain offline decoding and /metrics counts the drafts."""
+    import json
+    import signal
+    import urllib.request
+
+    from serve_fixture import SMALL_SERVER_ARGS, ServerProcess
+
+    srv = ServerProcess(extra_args=(*SMALL_SERVER_ARGS, "--speculative-config", json.dumps(NGRAM)),
+                        workdir=str(tmp_path), env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_healthy(timeout_s=120)
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0}).encode()
+        req = urllib.request.Request(srv.base_url + "/v1/completions", body,
+                                     {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = json.loads(resp.read())["choices"][0]["text"]
+        assert text == _greedy(plain_llm, PROMPTS[:1])[0].text
+        _, metrics = srv.get("/metrics")
+        drafts = [line for line in metrics.decode().splitlines()
+                  if line.startswith("bastion:spec_decode_num_accepted_tokens_total")]
+        assert drafts and float(drafts[0].split()[-1]) > 0
+        assert srv.stop(signal.SIGTERM, timeout_s=60) == 0
+    finally:
+        srv.kill_tree()
