@@ -283,10 +283,12 @@ def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm):
     llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
     prompt = PROMPTS[:1]
     plain = _greedy(plain_llm, prompt, max_tokens=40, logprobs=2)[0]
-    # Stop ids and a stop string placed inside what will be an accepted run of drafts.
+    # Stop ids and a stop string placed inside what will be an accepted run of drafts;
+    # penalties and min_tokens, which read the drafts before each verified position.
     stop_id = plain.token_ids[9]
     for kw in ({"logprobs": 2}, {"stop_token_ids": [stop_id]}, {"stop": [plain.text[30:38]]},
-               {"max_tokens": 7}):
+               {"max_tokens": 7}, {"repetition_penalty": 1.3, "frequency_penalty": 0.4},
+               {"min_tokens": 12, "stop_token_ids": [stop_id]}):
         kw = {"max_tokens": 40} | kw
         expected = _greedy(plain_llm, prompt, **kw)[0]
         got = _greedy(llm, prompt, **kw)[0]
