@@ -131,6 +131,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
         spec_tokens: dict[str, list[int]] = {}
+        is_speculating = bool(self.num_spec_tokens)
 
         index = 0
         running = self.running
@@ -141,14 +142,13 @@ class Scheduler:
                 index += 1  # its last token is already in flight; the next update finishes it
                 continue
             num_new = min(request.num_tokens + in_flight - request.num_computed_tokens, budget)
-            drafts = self._take_drafts(request, num_new, budget) if request.spec_token_ids else []
-            lookahead = (self._lookahead(request, num_new + len(drafts))
-                         if self.num_lookahead_tokens else 0)
-            new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
-            if new_block_ids is None and (drafts or lookahead):  # no room: decode plainly
-                drafts = []
+            if is_speculating:
+                new_block_ids, drafts = self._allocate_spec(request, num_new, budget)
+                num_new += len(drafts)
+                if drafts:
+                    spec_tokens[request.request_id] = drafts
+            else:
                 new_block_ids = self.kv.allocate_slots(request, num_new)
-            num_new += len(drafts)
             while new_block_ids is None:
                 victim = self._pick_victim(self.running[index:])
                 self._preempt(victim)
@@ -158,12 +158,11 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(request, num_new)
             if new_block_ids is None:
                 continue  # the request preempted itself; self.running shrank
-            if drafts:
-                spec_tokens[request.request_id] = drafts
-            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
-                                                 request.num_computed_tokens,
-                                                 request.num_freed_blocks))
-            request.num_freed_blocks = 0
+            cached = CachedRequestData(request.request_id, new_block_ids,
+                                       request.num_computed_tokens)
+            if request.num_freed_blocks:
+                cached.num_freed_blocks, request.num_freed_blocks = request.num_freed_blocks, 0
+            cached_reqs.append(cached)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
@@ -204,11 +203,10 @@ class Scheduler:
         for request_id, n in num_scheduled.items():
             request = scheduled[request_id] = self.requests[request_id]
             request.num_computed_tokens += n
-            end = request.num_tokens + request.num_output_placeholders
-            if spec_tokens and request_id in spec_tokens:
-                end += len(spec_tokens[request_id])
-            if request.num_computed_tokens == end:
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
+        for request_id in spec_tokens:  # a row with drafts samples too (past its drafts)
+            scheduled[request_id].num_output_placeholders += 1
         self.step_id += 1
         if scheduled:
             self.scheduled[self.step_id] = scheduled
@@ -218,6 +216,19 @@ class Scheduler:
             out.scheduled_spec_decode_tokens = spec_tokens
         self.finished_ids = []
         return out
+
+    def _allocate_spec(self, request: Request, num_new: int,
+                       budget: int) -> tuple[list[int] | None, list[int]]:
+        """Blocks for a running row's ``num_new`` tokens plus its drafts (and the draft
+        model's lookahead slots); without room for the extras, for ``num_new`` alone."""
+        drafts = self._take_drafts(request, num_new, budget) if request.spec_token_ids else []
+        lookahead = (self._lookahead(request, num_new + len(drafts))
+                     if self.num_lookahead_tokens else 0)
+        new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
+        if new_block_ids is None and (drafts or lookahead):  # no room: decode plainly
+            drafts = []
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+        return new_block_ids, drafts
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Lookahead slots for a row that samples this step (its ``num_new`` tokens reach its
