@@ -97,6 +97,15 @@ class ApiMetrics:
                                         "Prompt tokens found in the prefix cache.")
         self.num_preemptions = series(Counter, "num_preemptions",
                                       "Preemptions (requests sent back to waiting).")
+        self.spec_decode_num_drafts = series(Counter, "spec_decode_num_drafts",
+                                             "Verify rows that carried draft tokens.")
+        self.spec_decode_num_draft_tokens = series(Counter, "spec_decode_num_draft_tokens",
+                                                   "Draft tokens proposed and verified.")
+        self.spec_decode_num_accepted_tokens = series(Counter, "spec_decode_num_accepted_tokens",
+                                                      "Draft tokens accepted.")
+        self.spec_decode_num_accepted_tokens_per_pos = series(
+            Counter, "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.", ("position",))
         self.prompt_tokens = series(Counter, "prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = series(Counter, "generation_tokens",
                                         "Generated tokens sent to clients.")
@@ -196,6 +205,12 @@ class ApiMetrics:
         self.num_preemptions.labels(m).inc(stats.num_preemptions)
         for num_tokens in stats.iteration_tokens:
             self.iteration_tokens.labels(m).observe(num_tokens)
+        if stats.spec_num_drafts:
+            self.spec_decode_num_drafts.labels(m).inc(stats.spec_num_drafts)
+            self.spec_decode_num_draft_tokens.labels(m).inc(stats.spec_num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.labels(m).inc(stats.spec_num_accepted_tokens)
+            for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
+                self.spec_decode_num_accepted_tokens_per_pos.labels(m, str(pos)).inc(n)
 
     def refresh(self) -> None:
         """Read the engines' latest reports into the gauges (called at scrape time)."""

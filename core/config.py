@@ -198,6 +198,77 @@ class FaultToleranceConfig:
             raise ConfigError("ft_hang_timeout_s and ft_recovery_timeout_s must be positive")
 
 
+_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "model"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, from vLLM's ``--speculative-config`` JSON.
+
+    ``ngram`` drafts ``num_speculative_tokens`` tokens by prompt lookup: the longest suffix of
+    ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens that occurred earlier in the sequence
+    proposes the tokens that followed it. ``draft_model`` (a smaller model with the same
+    vocabulary, a GGUF file or a Hugging Face folder) drafts with that model.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ConfigError(f"speculative_config method must be one of "
+                              f"{', '.join(_SPEC_METHODS)}; got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not (
+                1 <= self.num_speculative_tokens <= 16):
+            raise ConfigError("speculative_config num_speculative_tokens must be an integer in "
+                              f"[1, 16]; got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ConfigError("speculative_config: 'model' is for method draft_model, not "
+                                  "ngram")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ConfigError("speculative_config needs 1 <= prompt_lookup_min <= "
+                                  f"prompt_lookup_max (integers); got {lo!r} and {hi!r}")
+        else:
+            if self.model is None:
+                raise ConfigError("speculative_config method draft_model needs 'model' (the "
+                                  "path of a smaller model with the target's vocabulary)")
+            if not os.path.exists(self.model):
+                raise ConfigError(f"speculative_config model path {self.model!r} does not "
+                                  "exist (a GGUF file or a Hugging Face folder)")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
+              ) -> SpeculativeConfig | None:
+        """From the JSON text of ``--speculative-config`` or the dict of ``LLM(...)``."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--speculative-config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a JSON object such as "
+                              '{"method": "ngram", "num_speculative_tokens": 4}; '
+                              f"got {value!r}")
+        unknown = sorted(set(value) - _SPEC_KEYS)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                              f"accepted: {', '.join(sorted(_SPEC_KEYS))}")
+        if "method" not in value:
+            raise ConfigError("speculative_config needs 'method' (ngram or draft_model)")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine core needs; built once, validated, then read-only."""
@@ -207,6 +278,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative is None:
+            return
+        par = self.parallel
+        if par.tensor_parallel_size > 1 or (par.data_parallel_size > 1
+                                            and par.enable_expert_parallel):
+            raise ConfigError("speculative decoding does not support tensor parallelism or "
+                              "expert-parallel data parallelism yet; drop --speculative-config "
+                              "or run with --tensor-parallel-size 1 and without EP")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -259,13 +341,15 @@ def build_engine_config(entry_point: str = "llm", **kwargs: Any) -> EngineConfig
     ``entry_point`` (``llm`` or ``serve``) picks the default ``max_num_batched_tokens``."""
     classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                "parallel": ParallelConfig, "fault_tolerance": FaultToleranceConfig}
+    speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
     parts: dict[str, dict[str, Any]] = {part: {} for part in classes}
     owners = {f.name: part for part, cls in classes.items() for f in dataclasses.fields(cls)}
     for key, value in kwargs.items():
         if key not in owners:
             raise ConfigError(f"unknown engine option {key!r}")
         parts[owners[key]][key] = value
-    config = EngineConfig(**{part: classes[part](**vals) for part, vals in parts.items()})
+    config = EngineConfig(**{part: classes[part](**vals) for part, vals in parts.items()},
+                          speculative=speculative)
     if config.scheduler.max_num_batched_tokens is None:
         budget, where = default_max_num_batched_tokens(
             config.model.device, entry_point, config.parallel.tensor_parallel_size)

@@ -15,6 +15,7 @@ from bastion.core.config import ConfigError, EngineConfig
 from bastion.core.executor import Executor, StepResult
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
+from bastion.core.spec_decode.metrics import SpecDecodingLogger
 from bastion.ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -64,12 +65,22 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) in %.2f s", num_blocks,
                     config.cache.block_size, num_blocks * bytes_per_block / 2**20,
                     time.perf_counter() - start)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
+        spec = config.speculative
+        num_spec = spec.num_speculative_tokens if spec is not None else 0
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len,
+                                   num_spec,
+                                   num_spec if spec is not None and spec.method == "draft_model"
+                                   else 0)
         par = config.parallel
         self.is_coupled = par.data_parallel_size > 1 and par.enable_expert_parallel
         # NOTE: a coupled group's engines must run the same number of forwards (their expert
         # collectives pair up), which a step queue that drains at different times would break.
-        self.async_scheduling = config.scheduler.async_scheduling and not self.is_coupled
+        # NOTE: and not while speculating: a verify step's number of emitted tokens is known
+        # only after it runs, so the next step cannot be scheduled ahead of it (yet).
+        self.async_scheduling = (config.scheduler.async_scheduling and not self.is_coupled
+                                 and spec is None)
+        self.spec_logger = (SpecDecodingLogger(spec.num_speculative_tokens) if spec is not None
+                            else None)
         # A coupled group's agreement for one round: (this engine's tokens, decode-only) ->
         # (the most tokens of any engine, every engine decode-only). Set by the engine process
         # (its DP group's all-reduce); tests may set their own.
@@ -104,8 +115,10 @@ class EngineCore:
             sched = self._schedule()
             result = self.executor.execute_model_async(sched)
             outputs = self.scheduler.update_from_output(sched, result.output())
-        return EngineCoreOutputs(self.engine_id, outputs, self.scheduler.make_stats(),
-                                 time.time())
+        stats = self.scheduler.make_stats()
+        if self.spec_logger is not None:
+            self.spec_logger.observe(stats)
+        return EngineCoreOutputs(self.engine_id, outputs, stats, time.time())
 
     def _schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()

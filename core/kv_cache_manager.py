@@ -122,6 +122,24 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_indexed_blocks[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Give back the tail blocks past the first ``num_tokens`` tokens of ``request`` (the
+        slots of rejected draft tokens); returns how many blocks went back to the pool.
+
+        NOTE: such blocks hold no full block of known tokens, so none is in the prefix index.
+        """
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = max(-(-num_tokens // self.block_size),
+                   self.num_indexed_blocks.get(request.request_id, 0))
+        if keep >= len(blocks):
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(tail))
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Return a request's blocks, tail first, so its prefix is evicted last."""
         blocks = self.req_blocks.pop(request.request_id, [])

@@ -16,6 +16,9 @@ from bastion.core.cuda_graphs import CUDAGraphRunner, DecodeInputs, default_capt
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
 from bastion.core.loader import get_max_model_len, load_model, resolve_model
 from bastion.core.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_tokens
+from bastion.core.spec_decode.draft_model import DraftModelProposer
+from bastion.core.spec_decode.ngram_proposer import NgramProposer
+from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
 from bastion.ipc.messages import Logprobs, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from bastion.ops.communicator import get_tp_group
@@ -48,11 +51,18 @@ class CachedRequestState:
     # ``pending_row`` of that step's sampled-token tensor on the device.
     num_pending: int = 0
     pending_row: int = 0
+    # Draft model: the distribution each of its current drafts was drawn from (None: greedy).
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         """Prompt + outputs, counting the token still in flight."""
         return len(self.token_ids) + self.num_pending
+
+    def drop_blocks(self, num_blocks: int) -> None:
+        """Forget the last ``num_blocks`` blocks (the scheduler gave them back)."""
+        self.num_blocks -= num_blocks
+        del self.block_ids[self.num_blocks:]
 
     def append_blocks(self, new_block_ids: list[int]) -> None:
         self.block_ids.extend(new_block_ids)
@@ -110,6 +120,13 @@ class StepHandle:
         else:
             self._host = tensors
 
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> StepHandle:
+        """A step whose output is already on the host (speculative steps)."""
+        handle = cls(output.step_id)
+        handle._output = output
+        return handle
+
     def token_ids(self) -> list[int]:
         return self.output().sampled_token_ids
 
@@ -154,6 +171,13 @@ class ModelRunner:
         # Pinned buffers the eager (prefill and mixed) steps are staged in; built on first use.
         self._staging: StagingRing[_StepStaging] | None = None
         self._staging_capacity = (0, 0, 0)
+        spec = config.speculative
+        # NOTE: speculative steps run synchronously (the engine turns async scheduling off):
+        # how many tokens a step emits is known only after it, so no step is prepared ahead.
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max)
+                         if spec is not None and spec.method == "ngram" else None)
+        self.drafter: DraftModelProposer | None = None  # built in load_model
 
     # ------------------------------------------------------------------------- set-up
 
@@ -164,13 +188,17 @@ class ModelRunner:
         self.vocab_size = self.resolved.hf_config.vocab_size
         self.max_model_len = get_max_model_len(self.resolved.hf_config,
                                                self.config.model.max_model_len)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModelProposer(self.config, self.vocab_size)
         logger.info("model loaded in %.2f s", time.perf_counter() - start)
 
     def kv_cache_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
-                   for layer in layers)
+        draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
+        return draft + sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
+                           for layer in layers)
 
     def available_kv_cache_bytes(self) -> int:
         """Bytes the KV cache may take: the configured budget, or on a GPU what is left of
@@ -245,6 +273,8 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks, self.device)
         self.num_blocks = num_blocks
 
     def reset(self) -> None:
@@ -281,6 +311,8 @@ class ModelRunner:
             self.requests[new.request_id] = state
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
+            if cached.num_freed_blocks:
+                state.drop_blocks(cached.num_freed_blocks)
             if cached.new_block_ids:
                 state.append_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
@@ -293,6 +325,8 @@ class ModelRunner:
         from that step's sampled tensor on the device, so this step queues behind it on the
         stream without the host ever waiting for it.
         """
+        if self.proposer is not None or self.drafter is not None:
+            return self._execute_spec(sched)
         self._fold_tokens(keep=1)
         self._apply_delta(sched)
         num_rows = self._padded_rows(sched)
@@ -322,6 +356,54 @@ class ModelRunner:
             state.pending_row = row
         self.inflight.append(handle)
         return handle
+
+    def _execute_spec(self, sched: SchedulerOutput) -> StepHandle:
+        """A speculative step: one forward over each request's last token and its drafts,
+        verification, then the next drafts from the proposer. Returns with the output built.
+
+        A step without drafts that fits a graph bucket still replays the decode graph; steps
+        with drafts run eager.
+        """
+        self._apply_delta(sched)
+        if not sched.num_scheduled_tokens:
+            return StepHandle(sched.step_id)
+        spec = sched.scheduled_spec_decode_tokens
+        # The draft model shadows every target forward over the flat batch: no graph replay.
+        decode = (self._prepare_decode(sched) if not spec and self.drafter is None
+                  and self._can_replay(sched, 0) else None)
+        if decode is not None:
+            states, inputs = decode
+            logits = self.model.compute_logits(self.graph_runner.run(inputs, None, 0))
+        else:
+            batch = self._prepare_inputs(sched, None, 0, spec)
+            with set_forward_context(batch.meta):
+                hidden = self.model(batch.input_ids, batch.positions)
+            if self.drafter is not None:
+                self.drafter.shadow(batch.input_ids, batch.positions, batch.meta)
+            if not batch.sample_ids:
+                return StepHandle(sched.step_id)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            states = [self.requests[rid] for rid in batch.sample_ids]
+        requests = []
+        for s in states:
+            drafts = spec.get(s.request_id, [])
+            q = s.draft_probs[:len(drafts)] if drafts and s.draft_probs is not None else None
+            requests.append(VerifyRequest(s.params, s.prompt_token_ids, s.output_token_ids,
+                                          s.generator, s.eos_token_id, drafts, q))
+        result = verify(logits, requests)
+        for state, token_ids in zip(states, result.token_ids):
+            state.output_token_ids.extend(token_ids)
+            state.token_ids.extend(token_ids)
+        if self.drafter is not None:
+            proposed = self.drafter.propose(states, self.max_model_len)
+            drafts = proposed.token_ids
+            for state, q in zip(states, proposed.probs):
+                state.draft_probs = q
+        else:
+            drafts = [self.proposer.propose(s.token_ids) for s in states]
+        return StepHandle.ready(ModelRunnerOutput(
+            [s.request_id for s in states], [], result.logprobs, sched.step_id,
+            result.token_ids, drafts))
 
     def _padded_rows(self, sched: SchedulerOutput) -> int:
         """Rows this step must run so that every engine of a coupled DP group runs the same
@@ -401,11 +483,14 @@ class ModelRunner:
         return states, DecodeInputs(input_ids, positions, slots, tables, pending_rows)
 
     def _prepare_inputs(self, sched: SchedulerOutput, prev: torch.Tensor | None,
-                        num_rows: int = 0) -> _Batch:
+                        num_rows: int = 0, spec: dict[str, list[int]] | None = None) -> _Batch:
         """The flat batch of any step (prefill chunks and decodes mixed), built with numpy:
         only the token ids are gathered per request; positions, slots and the block table
         come from array operations, and everything goes over in two copies. Tokens past the
-        last sequence's (up to ``num_rows``) are padding: id 0, position 0, slot -1."""
+        last sequence's (up to ``num_rows``) are padding: id 0, position 0, slot -1.
+
+        ``spec``: per request, draft tokens fed after its last token; every one of its fed
+        positions then gets a logits row (in order), for verification."""
         request_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[rid] for rid in request_ids]
         b = len(states)
@@ -419,6 +504,9 @@ class ModelRunner:
         pending_at: list[int] = []  # flat positions whose token is still in flight
         pending_rows: list[int] = []  # ... and its row in the previous step's tokens
         for state, start, end in zip(states, starts.tolist(), ends.tolist()):
+            if spec and state.request_id in spec:
+                input_ids.extend((state.token_ids + spec[state.request_id])[start:end])
+                continue
             input_ids.extend(state.token_ids[start:end])
             if end > len(state.token_ids):  # the last token is still in flight
                 pending_at.append(len(input_ids))
@@ -432,6 +520,11 @@ class ModelRunner:
         # Prefill done (or a decode): this step yields the request's next token.
         done = ends == np.fromiter((s.num_tokens for s in states), np.int64, b)
         logits_indices = qsl[1:][done] - 1
+        if spec:
+            num_drafts = np.fromiter((len(spec.get(rid, ())) for rid in request_ids), np.int64, b)
+            done = ends == np.fromiter((s.num_tokens for s in states), np.int64, b) + num_drafts
+            logits_indices = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(
+                qsl[1:][done].tolist(), num_drafts[done].tolist())] or [logits_indices])
         sample_ids = [rid for rid, d in zip(request_ids, done.tolist()) if d]
 
         num_pad = max(num_rows - total, 0)
@@ -439,7 +532,7 @@ class ModelRunner:
             input_ids.extend([0] * num_pad)
             positions = np.concatenate([positions, np.zeros(num_pad, dtype=np.int64)])
             slots = np.concatenate([slots, np.full(num_pad, -1, dtype=np.int64)])
-        host = self._staging_for(total + num_pad, b, width)
+        host = self._staging_for(total + num_pad, max(b, len(logits_indices)), width)
         ids, pos, slot, logit_rows, at, rows = _pack(host.i64.numpy(), (
             np.fromiter(input_ids, np.int64, total + num_pad), positions, slots,
             logits_indices, pending_at, pending_rows), align=2)

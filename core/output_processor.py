@@ -99,25 +99,49 @@ class OutputProcessor:
         stop_reason = out.stop_reason
         must_abort = False
         text = ""
+        new_token_ids = out.new_token_ids
         if seq.detokenizer is not None:
-            delta = seq.detokenizer.update(out.new_token_ids)
-            text = delta.text
-            if delta.stop_string is not None and finish_reason is None:
-                finish_reason, stop_reason, must_abort = "stop", delta.stop_string, True
-            if finish_reason is not None and delta.stop_string is None:
+            if len(new_token_ids) > 1 and seq.params.stop:
+                text, stop_string, num_used = self._detokenize_until_stop(seq, new_token_ids)
+                if num_used < len(new_token_ids):
+                    # A stop string ended inside a speculative step's run of tokens: the
+                    # request ends at that token, as it would have decoding one at a time.
+                    new_token_ids = new_token_ids[:num_used]
+                    finish_reason, stop_reason = None, None
+            else:
+                delta = seq.detokenizer.update(new_token_ids)
+                text, stop_string = delta.text, delta.stop_string
+            if stop_string is not None and finish_reason is None:
+                finish_reason, stop_reason, must_abort = "stop", stop_string, True
+            if finish_reason is not None and stop_string is None:
                 text += seq.detokenizer.flush()
             output.text = seq.detokenizer.output_text
-        output.token_ids.extend(out.new_token_ids)
+        output.token_ids.extend(new_token_ids)
         logprobs = self._logprobs(out) if seq.params.logprobs is not None else None
+        if logprobs is not None and len(logprobs) > len(new_token_ids):
+            logprobs = logprobs[:len(new_token_ids)]
         if logprobs is not None:
             output.logprobs.extend(logprobs)
         if finish_reason is not None:
             output.finish_reason, output.stop_reason, output.error = (finish_reason, stop_reason,
                                                                       out.error)
             self.seqs.pop(out.request_id, None)
-        return SeqDelta(seq.parent_id, seq.index, text, list(out.new_token_ids), logprobs,
+        return SeqDelta(seq.parent_id, seq.index, text, list(new_token_ids), logprobs,
                         finish_reason, stop_reason, out.error, out.queue_time_s,
                         out.prefill_time_s), must_abort
+
+    @staticmethod
+    def _detokenize_until_stop(seq: SeqState, token_ids: list[int]
+                               ) -> tuple[str, str | None, int]:
+        """Feed several tokens one at a time; stop at the one that completes a stop string.
+        Returns the text, the stop string (or None) and how many tokens were used."""
+        parts = []
+        for num_used, token_id in enumerate(token_ids, 1):
+            delta = seq.detokenizer.update([token_id])
+            parts.append(delta.text)
+            if delta.stop_string is not None:
+                return "".join(parts), delta.stop_string, num_used
+        return "".join(parts), None, len(token_ids)
 
     def _logprobs(self, out: EngineCoreOutput) -> list[dict[int, TokenLogprob]]:
         if out.logprobs is None:

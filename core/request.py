@@ -48,6 +48,10 @@ class Request:
         self.pending_logprobs: list[Logprobs] = []
         self.queued_time = time.monotonic()  # when the engine got it (metrics)
         self.scheduled_time: float | None = None  # when it was first scheduled
+        # Speculative decoding: drafts the proposer offered for the next step, and blocks of
+        # rejected drafts freed since the workers last heard about this request.
+        self.spec_token_ids: list[int] = []
+        self.num_freed_blocks = 0
         # Prompt plus max_tokens; the scheduler lowers it to its max_model_len on admission.
         max_tokens = params.max_tokens
         self.max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None

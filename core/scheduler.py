@@ -30,7 +30,8 @@ class Scheduler:
     """
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, max_model_len: int) -> None:
+                 num_blocks: int, max_model_len: int, num_spec_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -49,6 +50,12 @@ class Scheduler:
         # The requests each step still in flight scheduled, by step id: an update applies a
         # token only to the very request its step ran (an id may be reused in between).
         self.scheduled: dict[int, dict[str, Request]] = {}
+        # Speculative decoding: each decode row may carry up to this many draft tokens (0: off).
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_stats = _SpecStats(num_spec_tokens)
+        # Draft model: slots past a sampling row's tokens where the draft writes the KV of the
+        # tokens it proposes (scratch, rewritten by the next step).
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ---------------------------------------------------------------- admission and removal
 
@@ -132,6 +139,8 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
+        spec_tokens: dict[str, list[int]] = {}
+        is_speculating = bool(self.num_spec_tokens)
 
         index = 0
         running = self.running
@@ -142,7 +151,13 @@ class Scheduler:
                 index += 1  # its last token is already in flight; the next update finishes it
                 continue
             num_new = min(request.num_tokens + in_flight - request.num_computed_tokens, budget)
-            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if is_speculating:
+                new_block_ids, drafts = self._allocate_spec(request, num_new, budget)
+                num_new += len(drafts)
+                if drafts:
+                    spec_tokens[request.request_id] = drafts
+            else:
+                new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._pick_victim(self.running[index:])
                 self._preempt(victim)
@@ -152,8 +167,11 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(request, num_new)
             if new_block_ids is None:
                 continue  # the request preempted itself; self.running shrank
-            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
-                                                 request.num_computed_tokens))
+            cached = CachedRequestData(request.request_id, new_block_ids,
+                                       request.num_computed_tokens)
+            if request.num_freed_blocks:
+                cached.num_freed_blocks, request.num_freed_blocks = request.num_freed_blocks, 0
+            cached_reqs.append(cached)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
@@ -169,9 +187,14 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, computed) is None:
+            lookahead = (self._lookahead(request, num_new + computed.num_tokens)
+                         if self.num_lookahead_tokens else 0)
+            if (self.kv.allocate_slots(request, num_new + lookahead, computed) is None
+                    and (not lookahead
+                         or self.kv.allocate_slots(request, num_new, computed) is None)):
                 break
             self.waiting.popleft()
+            request.num_freed_blocks = 0  # the workers get its whole block table anew
             request.num_computed_tokens += computed.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = computed.num_tokens
@@ -193,14 +216,49 @@ class Scheduler:
             request.num_computed_tokens += n
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
+        for request_id in spec_tokens:  # a row with drafts samples too (past its drafts)
+            scheduled[request_id].num_output_placeholders += 1
         self.step_id += 1
         if scheduled:
             self.scheduled[self.step_id] = scheduled
             self.iteration_tokens.append(sum(num_scheduled.values()))
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                               sum(num_scheduled.values()), self.finished_ids, self.step_id)
+        if spec_tokens:
+            out.scheduled_spec_decode_tokens = spec_tokens
         self.finished_ids = []
         return out
+
+    def _allocate_spec(self, request: Request, num_new: int,
+                       budget: int) -> tuple[list[int] | None, list[int]]:
+        """Blocks for a running row's ``num_new`` tokens plus its drafts (and the draft
+        model's lookahead slots); without room for the extras, for ``num_new`` alone."""
+        drafts = self._take_drafts(request, num_new, budget) if request.spec_token_ids else []
+        lookahead = (self._lookahead(request, num_new + len(drafts))
+                     if self.num_lookahead_tokens else 0)
+        new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
+        if new_block_ids is None and (drafts or lookahead):  # no room: decode plainly
+            drafts = []
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+        return new_block_ids, drafts
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Lookahead slots for a row that samples this step (its ``num_new`` tokens reach its
+        end), within max_model_len."""
+        end = request.num_computed_tokens + num_new
+        if end < request.num_tokens:
+            return 0  # a prefill chunk short of the prompt's end samples nothing
+        return max(min(self.num_lookahead_tokens, self.max_model_len - end), 0)
+
+    def _take_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts a decode row runs this step: as many as the token budget and the
+        request's length limit leave room for (a draft past max_tokens could never be emitted).
+        """
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return []  # not a plain decode row (a prefill chunk, or a token in flight)
+        room = min(budget - 1, request.max_num_tokens - request.num_tokens - 1)
+        return drafts[:max(room, 0)]
 
     @staticmethod
     def _at_length_limit(request: Request, num_in_flight: int = 0) -> bool:
@@ -221,6 +279,8 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_freed_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self.known_by_workers:
@@ -234,6 +294,10 @@ class Scheduler:
                            result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self.rejected = self.rejected, []
         scheduled = self.scheduled.pop(sched.step_id, {})
+        if result.sampled_token_id_lists:
+            self._update_spec(sched, result, scheduled, outputs)
+            outputs.extend(self.expire_deadlines())
+            return outputs
         requests, logprobs_rows = self.requests, result.logprobs
         for i, (request_id, token_id) in enumerate(zip(result.request_ids,
                                                        result.sampled_token_ids)):
@@ -258,6 +322,49 @@ class Scheduler:
                 self._remove(request)
         outputs.extend(self.expire_deadlines())
         return outputs
+
+    def _update_spec(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                     scheduled: dict[str, Request], outputs: list[EngineCoreOutput]) -> None:
+        """Fold a speculative step: each request emitted its accepted drafts and one token
+        more. Tokens are appended one by one and a stop ends the request at exactly that token;
+        the KV slots of rejected drafts are given back."""
+        drafts_by_id = sched.scheduled_spec_decode_tokens
+        logprobs_rows, next_drafts = result.logprobs, result.draft_token_ids
+        for i, (request_id, token_ids) in enumerate(zip(result.request_ids,
+                                                        result.sampled_token_id_lists)):
+            request = scheduled.get(request_id)
+            if request is None or self.requests.get(request_id) is not request:
+                continue
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            drafts = drafts_by_id.get(request_id, ())
+            num_rejected = len(drafts) - (len(token_ids) - 1)
+            if drafts:
+                self.spec_stats.observe(len(drafts), len(token_ids) - 1)
+                # NOTE: only the accepted drafts' KV is valid; the rejected positions are
+                # computed again (with the right tokens) by later steps.
+                request.num_computed_tokens -= num_rejected
+            emitted = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                emitted.append(token_id)
+                self._check_stop(request, token_id)
+                if request.status == RequestStatus.FINISHED:
+                    break
+            logprobs = logprobs_rows[i] if i < len(logprobs_rows) else None
+            if logprobs is not None and len(emitted) < len(token_ids):
+                n = len(emitted)
+                logprobs = type(logprobs)(logprobs.token_ids[:n], logprobs.logprobs[:n],
+                                          logprobs.ranks[:n])
+            outputs.append(EngineCoreOutput(request_id, emitted, request.finish_reason,
+                                            request.stop_reason,
+                                            max(request.num_cached_tokens, 0), logprobs))
+            if request.status == RequestStatus.FINISHED:
+                self._remove(request)
+                continue
+            if num_rejected > 0:
+                request.num_freed_blocks += self.kv.trim(request, request.num_computed_tokens)
+            request.spec_token_ids = list(next_drafts[i]) if i < len(next_drafts) else []
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
@@ -301,6 +408,34 @@ class Scheduler:
         stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
                                self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
                                self.step_id, self.iteration_tokens, self.num_blocks)
+        if self.spec_stats.num_drafts:
+            self.spec_stats.fill(stats)
         self.kv.prefix_queries = self.kv.prefix_hits = self.num_preemptions = 0
         self.iteration_tokens = []
         return stats
+
+
+class _SpecStats:
+    """Speculative decoding counters since the last report (vLLM's spec_decode_* names)."""
+
+    def __init__(self, num_spec_tokens: int) -> None:
+        self.num_spec_tokens = num_spec_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def fill(self, stats: SchedulerStats) -> None:
+        stats.spec_num_drafts = self.num_drafts
+        stats.spec_num_draft_tokens = self.num_draft_tokens
+        stats.spec_num_accepted_tokens = self.num_accepted_tokens
+        stats.spec_num_accepted_tokens_per_pos = self.accepted_per_pos
+        self.reset()

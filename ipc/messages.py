@@ -170,6 +170,13 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     step_counter: int = 0
     iteration_tokens: list[int] = []  # tokens of each step scheduled since the last report
     num_gpu_blocks: int = 0  # the KV block pool's size
+    # Speculative decoding since the last report (vLLM's spec_decode_* counters): verify rows
+    # that carried drafts, the draft tokens in them, how many were accepted, and accepted
+    # tokens by draft position (index j: drafts accepted at position j).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):
@@ -226,6 +233,9 @@ class CachedRequestData(msgspec.Struct, **_WIRE):
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Speculative decoding: blocks of rejected draft tokens the scheduler gave back, dropped
+    # from the tail of the request's block table before ``new_block_ids`` are appended.
+    num_freed_blocks: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, **_WIRE):
@@ -244,6 +254,9 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # so each pads to the same CUDA-graph bucket and replays it.
     num_padded_tokens: int = 0
     dp_all_decode: bool = False
+    # Speculative decoding: per request, the draft tokens fed after its last token this step
+    # (counted in ``num_scheduled_tokens``); the step verifies them and samples one more.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):
@@ -253,6 +266,11 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     sampled_token_ids: list[int] = []
     logprobs: list[Logprobs | None] = []
     step_id: int = 0
+    # Speculative decoding only (then ``sampled_token_ids`` is empty): per request, the tokens
+    # this step emitted (accepted drafts, then the one sampled after them), and the drafts its
+    # proposer offers for the next step.
+    sampled_token_id_lists: list[list[int]] = []
+    draft_token_ids: list[list[int]] = []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,6 +118,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             else:
                 group.add_argument(*flags, dest=f.name, type=kind, default=default)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--speculative-config", dest="speculative_config", default=None,
+                        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+                             '"prompt_lookup_max": 4}')
     group = parser.add_argument_group("accepted for vLLM compatibility, no effect")
     for flag, (kwargs, why) in _NO_EFFECT.items():
         group.add_argument(flag, default=None, help=why, **kwargs)
@@ -140,6 +144,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["model"] = model_tag
     if args.device is not None:
         kwargs["device"] = args.device
+    if getattr(args, "speculative_config", None) is not None:
+        kwargs["speculative_config"] = args.speculative_config
     return kwargs
 
 
