@@ -8,14 +8,18 @@ tokens per row) and plain decode (one per row, graph replay) agree to the last b
 Checks: plain decode replays CUDA graphs; ngram and draft_model (the target's own config and
 seed as the draft, so every draft is accepted) give the same tokens; prints tok/s of each.
 
-NOTE: not run on a GPU yet (written in the speculative-decoding session, which had no device
-time left); the same flow on a tiny Qwen3 config passes on the CPU.
+NOTE: its one GPU run (docs/runs/gpu_s11_call10_spec_check.log) stopped at start-up: with
+``gpu_memory_utilization`` a later LLM of the same process found no memory for its KV cache.
+It now gives each LLM a fixed 2 GiB pool; that version has not run on a GPU.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+
+import torch
 
 from bastion.core.llm import LLM
 from bastion.core.scheduler import _SpecStats
@@ -39,7 +43,10 @@ def main() -> None:
                for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     common = {"model": CONFIG, "load_format": "dummy", "dtype": "float32",
-              "max_model_len": 1024, "skip_tokenizer_init": True, "gpu_memory_utilization": 0.5}
+              "max_model_len": 1024, "skip_tokenizer_init": True,
+              # A fixed pool: the previous run's memory is still counted as used in this
+              # process, so profiling would leave the next LLM no KV cache (seen on the H200).
+              "kv_cache_memory_bytes": 2 << 30}
     results = {}
     for name, spec in (("plain", None),
                        ("ngram", {"method": "ngram", "num_speculative_tokens": 4}),
@@ -73,6 +80,8 @@ def main() -> None:
               f"{llm.engine.num_blocks}", flush=True)
         llm.shutdown()
         del llm
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
