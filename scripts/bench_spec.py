@@ -58,6 +58,22 @@ def run(llm: LLM, batch_size: int, max_tokens: int, ignore_eos: bool = False,
     return time.perf_counter() - start, token_ids
 
 
+def count_spec_stats() -> dict[str, int]:
+    """Totals of drafts, draft tokens and accepted tokens from now on, kept up to date by
+    wrapping the scheduler's per-step observer (its own reports reset every step)."""
+    totals = {"drafts": 0, "accepted": 0, "draft_tokens": 0}
+    observe = _SpecStats.observe
+
+    def counting(self, num_draft_tokens: int, num_accepted: int) -> None:
+        totals["drafts"] += 1
+        totals["draft_tokens"] += num_draft_tokens
+        totals["accepted"] += num_accepted
+        observe(self, num_draft_tokens, num_accepted)
+
+    _SpecStats.observe = counting
+    return totals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -78,16 +94,7 @@ def main() -> None:
     plain = LLM(dtype="float32", max_model_len=1024, async_scheduling=False)
     spec = LLM(dtype="float32", max_model_len=1024, speculative_config=spec_config)
     # Totals over the timed runs (the engine's own reports reset every step).
-    totals = {"drafts": 0, "accepted": 0, "draft_tokens": 0}
-    observe = _SpecStats.observe
-
-    def counting(self, num_draft_tokens: int, num_accepted: int) -> None:
-        totals["drafts"] += 1
-        totals["draft_tokens"] += num_draft_tokens
-        totals["accepted"] += num_accepted
-        observe(self, num_draft_tokens, num_accepted)
-
-    _SpecStats.observe = counting
+    totals = count_spec_stats()
     rows = []
     for batch_size in args.batch_sizes:
         best = {}

@@ -20,25 +20,16 @@ import os
 import time
 
 import torch
+from bench_spec import count_spec_stats  # scripts/ is this script's folder
 
 from bastion.core.llm import LLM
-from bastion.core.scheduler import _SpecStats
 from bastion.ipc.messages import SamplingParams
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3-0.6b")
 
 
 def main() -> None:
-    totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
-    observe = _SpecStats.observe
-
-    def counting(self, num_draft_tokens: int, num_accepted: int) -> None:
-        totals["drafts"] += 1
-        totals["draft_tokens"] += num_draft_tokens
-        totals["accepted"] += num_accepted
-        observe(self, num_draft_tokens, num_accepted)
-
-    _SpecStats.observe = counting
+    totals = count_spec_stats()
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 5000 + 10 for j in range(40 + 9 * i)]}
                for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
