@@ -112,16 +112,13 @@ class EngineCore:
         elif not self.scheduler.has_unfinished_requests:
             outputs = self.scheduler.take_rejected()
         else:
-            sched = self._schedule()
+            sched = self.scheduler.schedule()
             result = self.executor.execute_model_async(sched)
             outputs = self.scheduler.update_from_output(sched, result.output())
         stats = self.scheduler.make_stats()
         if self.spec_logger is not None:
             self.spec_logger.observe(stats)
         return EngineCoreOutputs(self.engine_id, outputs, stats, time.time())
-
-    def _schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
 
     def idle_round(self) -> bool:
         """A coupled engine's round without requests: agree with the others and, if any has
@@ -141,7 +138,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests:
             self.idle_round()
             return self.scheduler.take_rejected()
-        sched = self._schedule()
+        sched = self.scheduler.schedule()
         num_tokens = sched.total_num_scheduled_tokens
         num_rows, all_decode = self._dp_agree(num_tokens, _is_decode_only(sched))
         sched.num_padded_tokens, sched.dp_all_decode = num_rows, all_decode
@@ -159,7 +156,7 @@ class EngineCore:
     def _step_async(self) -> list[EngineCoreOutput]:
         launched = False
         if self.scheduler.has_unfinished_requests and len(self.inflight) < 2:
-            sched = self._schedule()
+            sched = self.scheduler.schedule()
             if sched.num_scheduled_tokens or sched.finished_request_ids:
                 self.inflight.append((sched, self.executor.execute_model_async(sched)))
                 launched = True

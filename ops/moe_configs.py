@@ -58,10 +58,19 @@ def default_moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
 def get_moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int,
                    dtype: torch.dtype) -> dict:
     """The launch configuration for ``num_tokens`` tokens (a Python int: static per graph)."""
-    if torch.cuda.is_available():
-        name = config_file_name(num_experts, inter, hidden, torch.cuda.get_device_name(), dtype)
-        table = _load_table(name)
-        if table:
-            nearest = min(table, key=lambda m: abs(m - num_tokens))
-            return table[nearest]
+    table = _table_for(num_experts, inter, hidden, dtype)
+    if table:
+        nearest = min(table, key=lambda m: abs(m - num_tokens))
+        return table[nearest]
     return default_moe_config(num_tokens, top_k, num_experts)
+
+
+@functools.cache
+def _table_for(num_experts: int, inter: int, hidden: int,
+               dtype: torch.dtype) -> dict[int, dict] | None:
+    """This GPU's tuned table for the shape, looked up once per process (every MoE layer of
+    every eager step asks)."""
+    if not torch.cuda.is_available():
+        return None
+    return _load_table(config_file_name(num_experts, inter, hidden,
+                                        torch.cuda.get_device_name(), dtype))
