@@ -13,6 +13,26 @@ import msgspec
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
 
+class StructuredOutputsParams(msgspec.Struct, **_WIRE):
+    """A constraint on the output, as vLLM's ``StructuredOutputsParams``: exactly one is set.
+
+    ``json`` is a JSON schema as text (``json_object`` any JSON object), ``regex`` a regular
+    expression, ``choice`` a list of literal outputs, ``grammar`` an EBNF (GBNF) grammar.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kinds(self) -> list[str]:
+        named = {"json": self.json, "regex": self.regex, "choice": self.choice,
+                 "grammar": self.grammar}
+        return [k for k, v in named.items() if v is not None] + (
+            ["json_object"] if self.json_object else [])
+
+
 class SamplingParams(msgspec.Struct, **_WIRE):
     """How to sample one request; field names and defaults follow vLLM's ``SamplingParams``.
 
@@ -37,6 +57,8 @@ class SamplingParams(msgspec.Struct, **_WIRE):
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Issue #21: set by the front end from response_format / structured_outputs / guided_* / tools.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -66,6 +88,11 @@ class SamplingParams(msgspec.Struct, **_WIRE):
                "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None:
+            kinds = self.structured_outputs.kinds()
+            _check(len(kinds) == 1, "structured_outputs",
+                   f"structured_outputs must set exactly one of json, regex, choice, grammar, "
+                   f"json_object; got {kinds or 'none'}")
 
     @property
     def is_greedy(self) -> bool:
