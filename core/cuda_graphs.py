@@ -12,6 +12,11 @@ KV store skips it and the attention kernel's spare programs exit. Their hidden r
 that no later op mixes into real rows (every op after attention is row-wise); callers read only
 the first ``b`` rows.
 
+Speculative decoding's verify steps feed each sequence its last token and ``k`` drafts: a runner
+built with ``query_len = k + 1`` captures batches of exactly that many tokens per sequence (a
+sequence with fewer drafts is padded up to them with slot -1 tokens after its real ones; causal
+attention keeps them out of its real rows).
+
 Without capture (the CPU, or ``capture()`` not called) ``run`` executes the same padded batch
 eagerly, which lets the staging and padding logic be tested anywhere.
 """
@@ -40,28 +45,39 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeInputs(NamedTuple):
-    """One decode step on the host: one new token per sequence, in batch order."""
+    """One decode step on the host: ``q`` new tokens per sequence (the runner's
+    ``query_len``; 1 for plain decode), sequence after sequence in batch order."""
 
-    input_ids: np.ndarray  # int64 [b]
-    positions: np.ndarray  # int64 [b]: position of the new token (= tokens already cached)
-    slot_mapping: np.ndarray  # int64 [b]
+    input_ids: np.ndarray  # int64 [b * q]
+    positions: np.ndarray  # int64 [b * q]: consecutive per sequence, from its cached length
+    slot_mapping: np.ndarray  # int64 [b * q]; -1: a padding token, not stored
     block_tables: np.ndarray  # int32 [b, w], w <= max_blocks_per_seq
     # Row of the previous step's sampled tokens that holds this row's input (its token was
     # still on the device when the step was prepared), or -1 when ``input_ids`` has it.
     pending_rows: np.ndarray | None = None  # int64 [b]
+    # Context length of each sequence including its q new tokens; None: its last position + 1.
+    # (A verify step's padding tokens repeat their sequence's last real position.)
+    seq_lens: np.ndarray | None = None  # int64 [b]
+
+
+def _seq_lens(inputs: DecodeInputs, q: int) -> np.ndarray:
+    if inputs.seq_lens is not None:
+        return inputs.seq_lens
+    return inputs.positions[q - 1::q] + 1
 
 
 class _HostStaging:
     """One set of (pinned) host buffers a step is written into before its copies."""
 
-    def __init__(self, n: int, max_blocks_per_seq: int, pin: bool) -> None:
-        self.i64 = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
+    def __init__(self, n: int, q: int, max_blocks_per_seq: int, pin: bool) -> None:
+        self.i64 = torch.zeros((4, n * q), dtype=torch.int64, pin_memory=pin)
         self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin)
         self.bt = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
 
 
 class CUDAGraphRunner:
-    """Runs decode batches of up to ``max(capture_sizes)`` sequences through ``model``.
+    """Runs decode batches of up to ``max(capture_sizes)`` sequences, ``query_len`` tokens each,
+    through ``model``.
 
     ``model(input_ids, positions)`` must read attention metadata from the forward context and
     return hidden states [T, H]. The KV caches must be allocated before ``capture()`` (the graphs
@@ -69,8 +85,9 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, model: nn.Module, capture_sizes: list[int], max_blocks_per_seq: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, query_len: int = 1) -> None:
         self.model = model
+        self.query_len = query_len
         self.capture_sizes = sorted(capture_sizes)
         self.max_num_seqs = self.capture_sizes[-1]
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -81,8 +98,9 @@ class CUDAGraphRunner:
         # Packed so that one step needs three host-to-device copies: int64 rows (ids, positions,
         # slots, rows of in-flight tokens), int32 (seq_lens then query_start_loc) and the block
         # table. Two sets of host buffers alternate (see StagingRing).
-        self._host = StagingRing(lambda: _HostStaging(n, max_blocks_per_seq, pin), device)
-        self._dev_i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
+        q = query_len
+        self._host = StagingRing(lambda: _HostStaging(n, q, max_blocks_per_seq, pin), device)
+        self._dev_i64 = torch.zeros((4, n * q), dtype=torch.int64, device=device)
         self._dev_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self._dev_bt = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -111,19 +129,19 @@ class CUDAGraphRunner:
         The CPU lists matter only to the torch reference kernels (eager runs); the Triton path
         reads the device tensors, so a graph captured with placeholder lists stays valid.
         """
-        n = self.max_num_seqs
+        n, q = self.max_num_seqs, self.query_len
         if seq_lens_cpu is None:
-            qsl_cpu, lens_cpu = list(range(size + 1)), [1] * size
+            qsl_cpu, lens_cpu = list(range(0, (size + 1) * q, q)), [q] * size
         else:
             b = sum(1 for s in seq_lens_cpu if s > 0)
-            qsl_cpu = list(range(b + 1)) + [b] * (size - b)
+            qsl_cpu = list(range(0, (b + 1) * q, q)) + [b * q] * (size - b)
             lens_cpu = seq_lens_cpu
         return AttentionMetadata(
-            slot_mapping=self._dev_i64[2, :size],
+            slot_mapping=self._dev_i64[2, :size * q],
             query_start_loc=self._dev_i32[n:n + size + 1],
             seq_lens=self._dev_i32[:size],
             block_tables=self._dev_bt[:size],
-            max_query_len=1,
+            max_query_len=q,
             max_seq_len=self.max_blocks_per_seq * self.block_size,
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=lens_cpu,
@@ -132,22 +150,24 @@ class CUDAGraphRunner:
     def _stage(self, inputs: DecodeInputs, size: int) -> None:
         """Write one step (padded to ``size``) into pinned memory, then copy it over."""
         host = self._host.acquire()
-        b = len(inputs.input_ids)
+        q = self.query_len
+        t = len(inputs.input_ids)  # b * q
+        b = t // q
         n = self.max_num_seqs
         i64 = host.i64.numpy()
-        i64[0, :b], i64[1, :b], i64[2, :b] = inputs.input_ids, inputs.positions, inputs.slot_mapping
-        i64[3, :b] = -1 if inputs.pending_rows is None else inputs.pending_rows
-        i64[0:2, b:size] = 0
-        i64[2:4, b:size] = -1
+        i64[0, :t], i64[1, :t], i64[2, :t] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        i64[3, :t] = -1 if inputs.pending_rows is None else inputs.pending_rows
+        i64[0:2, t:size * q] = 0
+        i64[2:4, t:size * q] = -1
         i32 = host.i32.numpy()
-        i32[:b] = inputs.positions + 1
+        i32[:b] = _seq_lens(inputs, q)
         i32[b:size] = 0
-        i32[n:n + b + 1] = np.arange(b + 1, dtype=np.int32)
-        i32[n + b + 1:n + size + 1] = b
+        i32[n:n + b + 1] = np.arange(0, (b + 1) * q, q, dtype=np.int32)
+        i32[n + b + 1:n + size + 1] = b * q
         width = inputs.block_tables.shape[1]
         bt = host.bt[:b * width].view(b, width)
         bt.numpy()[:] = inputs.block_tables
-        self._dev_i64[:, :size].copy_(host.i64[:, :size], non_blocking=True)
+        self._dev_i64[:, :size * q].copy_(host.i64[:, :size * q], non_blocking=True)
         self._dev_i32.copy_(host.i32, non_blocking=True)
         # Rows past ``b`` keep stale ids: their sequences are empty, so nothing reads them.
         staged = bt.to(self.device, non_blocking=True)
@@ -164,13 +184,28 @@ class CUDAGraphRunner:
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         with set_forward_context(meta):
-            return self.model(self._dev_i64[0, :size], self._dev_i64[1, :size])
+            return self.model(*self.staged_inputs(size))
+
+    def staged_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (input ids, positions) device buffers of a ``size``-sequence step, as staged."""
+        num_tokens = size * self.query_len
+        return self._dev_i64[0, :num_tokens], self._dev_i64[1, :num_tokens]
+
+    def eager_metadata(self, inputs: DecodeInputs, size: int) -> AttentionMetadata:
+        """The metadata of the step last staged from ``inputs`` (for an eager forward over the
+        same buffers, such as a draft model's shadow of a verify step)."""
+        q = self.query_len
+        b = len(inputs.input_ids) // q
+        seq_lens = _seq_lens(inputs, q).tolist() + [0] * (size - b)
+        return self._metadata(size, seq_lens)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per capture size, largest first so smaller ones reuse its pool."""
+    def capture(self, pool: object | None = None) -> None:
+        """Capture one graph per capture size, largest first so smaller ones reuse its pool.
+        ``pool``: another runner's memory pool to share (their graphs never run at once)."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
+        self._pool = pool
         start = time.perf_counter()
         # Valid do-nothing inputs: every row is padding (no sequence, slot -1).
         n = self.max_num_seqs
@@ -190,16 +225,25 @@ class CUDAGraphRunner:
             self.graphs[size] = graph
             self._outputs[size] = out
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.2f s",
-                    len(self.graphs), self.capture_sizes[0], n, time.perf_counter() - start)
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d, %d tokens per sequence) in "
+                    "%.2f s", len(self.graphs), self.capture_sizes[0], n, self.query_len,
+                    time.perf_counter() - start)
+
+    @property
+    def pool(self) -> object | None:
+        return self._pool
 
     def run(self, inputs: DecodeInputs, prev: torch.Tensor | None = None,
             min_size: int = 0) -> torch.Tensor:
-        """Hidden states [b, H] of one decode step (graph replay when captured). ``prev``:
+        """Hidden states [b * q, H] of one decode step (graph replay when captured). ``prev``:
         the previous step's sampled tokens, which rows with ``pending_rows >= 0`` read.
         ``min_size``: run at least this bucket (a coupled DP group's agreed size); ``b`` may
         then be 0."""
-        b = len(inputs.input_ids)
+        q = self.query_len
+        t = len(inputs.input_ids)
+        if t % q:
+            raise ValueError(f"a step of this runner feeds {q} tokens per sequence; got {t}")
+        b = t // q
         size = self.bucket(max(b, min_size))
         if size is None or inputs.block_tables.shape[1] > self.max_blocks_per_seq:
             raise ValueError(f"decode batch of {b} sequences x {inputs.block_tables.shape[1]} "
@@ -207,10 +251,9 @@ class CUDAGraphRunner:
                              f"{self.max_blocks_per_seq}")
         self._stage(inputs, size)
         if inputs.pending_rows is not None and prev is not None:
-            self._patch_pending(b, prev)
+            self._patch_pending(t, prev)
         graph = self.graphs.get(size)
         if graph is not None:
             graph.replay()
-            return self._outputs[size][:b]
-        seq_lens = [int(p) + 1 for p in inputs.positions] + [0] * (size - b)
-        return self._forward(size, self._metadata(size, seq_lens))[:b]
+            return self._outputs[size][:t]
+        return self._forward(size, self.eager_metadata(inputs, size))[:t]

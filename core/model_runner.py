@@ -164,6 +164,8 @@ class ModelRunner:
         # Built (and captured) with the KV cache on a GPU unless the model config asks for
         # eager mode; decode-only batches that fit a bucket replay a graph.
         self.graph_runner: CUDAGraphRunner | None = None
+        # Speculative decoding's verify steps (k + 1 tokens per sequence) have graphs of their own.
+        self.verify_graph_runner: CUDAGraphRunner | None = None
         self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
         # Steps whose tokens this runner has not folded into its request state yet, oldest
         # first; all but the newest are folded in at the start of each step.
@@ -260,12 +262,29 @@ class ModelRunner:
                                type(exc).__name__, exc)
                 return
             self.graph_runner = runner
+            spec = self.config.speculative
+            if spec is not None:
+                verify = self.build_graph_runner(spec.num_speculative_tokens + 1)
+                try:
+                    verify.capture(pool=runner.pool)
+                except Exception as exc:  # noqa: BLE001 - as above: verify steps run eager
+                    torch.cuda.synchronize(self.device)
+                    logger.warning("CUDA graph capture of verify steps failed (%s: %s); they "
+                                   "run eager", type(exc).__name__, exc)
+                    return
+                self.verify_graph_runner = verify
 
-    def build_graph_runner(self) -> CUDAGraphRunner:
+    def build_graph_runner(self, query_len: int = 1) -> CUDAGraphRunner:
+        """Graphs for decode steps of ``query_len`` tokens per sequence (> 1: verify steps,
+        captured up to ``_MAX_VERIFY_GRAPH_TOKENS`` tokens, as vLLM bounds its capture sizes).
+        A verify step's padding tokens sit past its real ones, up to ``query_len - 1``
+        positions past max_model_len: the block table has room for them."""
         sizes = default_capture_sizes(self.config.scheduler.max_num_seqs)
-        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if query_len > 1:
+            sizes = [s for s in sizes if s * query_len <= _MAX_VERIFY_GRAPH_TOKENS] or [1]
+        max_blocks_per_seq = -(-(self.max_model_len + query_len - 1) // self.block_size)
         return CUDAGraphRunner(self.model, sizes, max_blocks_per_seq, self.block_size,
-                               self.device)
+                               self.device, query_len)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # NOTE: captured graphs hold these addresses; reallocating means capturing again.
@@ -368,12 +387,25 @@ class ModelRunner:
         if not sched.num_scheduled_tokens:
             return StepHandle(sched.step_id)
         spec = sched.scheduled_spec_decode_tokens
-        # The draft model shadows every target forward over the flat batch: no graph replay.
+        # The draft model shadows every target forward over the flat batch, which a plain
+        # decode graph does not expose; a verify graph's padded batch it shadows eagerly.
         decode = (self._prepare_decode(sched) if not spec and self.drafter is None
                   and self._can_replay(sched, 0) else None)
+        verify_batch = (self._prepare_verify(sched, spec) if decode is None
+                        and self.verify_graph_runner is not None else None)
         if decode is not None:
             states, inputs = decode
             logits = self.model.compute_logits(self.graph_runner.run(inputs, None, 0))
+        elif verify_batch is not None:
+            states, inputs, rows = verify_batch
+            runner = self.verify_graph_runner
+            hidden = runner.run(inputs)
+            if self.drafter is not None:
+                size = runner.bucket(len(states))
+                self.drafter.shadow(*runner.staged_inputs(size),
+                                    runner.eager_metadata(inputs, size))
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(rows).to(self.device, non_blocking=True)])
         else:
             batch = self._prepare_inputs(sched, None, 0, spec)
             with set_forward_context(batch.meta):
@@ -404,6 +436,52 @@ class ModelRunner:
         return StepHandle.ready(ModelRunnerOutput(
             [s.request_id for s in states], [], result.logprobs, sched.step_id,
             result.token_ids, drafts))
+
+    def _prepare_verify(self, sched: SchedulerOutput, spec: dict[str, list[int]]
+                        ) -> tuple[list[CachedRequestState], DecodeInputs, np.ndarray] | None:
+        """A speculative step where every sequence feeds its last token and its drafts, as the
+        verify graphs take it: ``q = k + 1`` tokens per sequence, a sequence with ``d < k``
+        drafts padded with ``k - d`` tokens that are stored nowhere (slot -1) and sit at its
+        last real position. Returns the states, the inputs and the flat row of each logits row
+        verification reads (a sequence's first ``d + 1``); None for any other batch (prefill
+        chunks, more sequences or blocks than the graphs hold)."""
+        runner = self.verify_graph_runner
+        q = runner.query_len
+        states = [self.requests[rid] for rid in sched.num_scheduled_tokens]
+        b = len(states)
+        if not b or runner.bucket(b) is None:
+            return None
+        num_drafts = np.fromiter((len(spec.get(s.request_id, ())) for s in states), np.int64, b)
+        counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, b)
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, b)
+        lengths = np.fromiter((s.num_tokens for s in states), np.int64, b)
+        if (not np.array_equal(counts, num_drafts + 1) or not np.array_equal(starts + 1, lengths)
+                or num_drafts.max() >= q):
+            return None
+        bs = self.block_size
+        num_blocks = (starts + num_drafts) // bs + 1
+        if int(num_blocks.max()) > runner.max_blocks_per_seq:
+            return None
+        offsets = np.arange(q, dtype=np.int64)
+        is_real = offsets[None, :] <= num_drafts[:, None]  # [b, q]
+        positions = starts[:, None] + np.minimum(offsets[None, :], num_drafts[:, None])
+        ids = np.zeros((b, q), dtype=np.int64)
+        for i, state in enumerate(states):
+            ids[i, 0] = state.token_ids[-1]
+            drafts = spec.get(state.request_id)
+            if drafts:
+                ids[i, 1:1 + len(drafts)] = drafts
+        table = _block_table(states, num_blocks)
+        seq_rows = np.repeat(np.arange(b), q)
+        flat_positions = positions.reshape(-1)
+        slots = np.where(is_real.reshape(-1),
+                         _slot_mapping(table, seq_rows, flat_positions, bs), -1)
+        # The attention kernel places a sequence's q tokens at its last q positions: the
+        # context length counts the padding (whose keys causality hides from the real rows).
+        inputs = DecodeInputs(ids.reshape(-1), flat_positions, slots, table,
+                              seq_lens=starts + q)
+        rows = np.flatnonzero(is_real.reshape(-1))
+        return states, inputs, rows
 
     def _padded_rows(self, sched: SchedulerOutput) -> int:
         """Rows this step must run so that every engine of a coupled DP group runs the same
@@ -582,6 +660,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return host.clone()  # the buffer is reused two steps later
         return host.to(self.device, non_blocking=True)
+
+
+# Verify steps are captured for batches of at most this many tokens (vLLM's default bound on
+# its capture sizes); larger ones run eager.
+_MAX_VERIFY_GRAPH_TOKENS = 512
 
 
 def _block_table(states: list[CachedRequestState], num_blocks: np.ndarray) -> np.ndarray:

@@ -23,7 +23,10 @@
 # slice of the workload through bastion and transformers' continuous batching, with the
 # ratio), latency (Llama-3.1-8B architecture, batch 8, 32 in / 128 out), moetune (the fused MoE
 # kernels' launch configs for Qwen3-30B-A3B, JSON to $OUT), moe (Qwen3-30B-A3B architecture:
-# offline throughput and batch-1/8 latency beside their floors), serve (bench_serve.py at rate inf and two finite
+# offline throughput and batch-1/8 latency beside their floors), specbench (a speculative
+# verify step with k = 2, 4 against a decode step, Llama-3.1-8B architecture, batch 1/8/32),
+# speccheck (ngram and draft-model greedy tokens identical to plain decoding under the decode
+# and verify CUDA graphs, Qwen3-0.6B architecture, float32), serve (bench_serve.py at rate inf and two finite
 # rates, 1000 prompts of 1024 in / 128 out, against the embedded model).
 #
 # Run from the repository root. Wheels for packages the machine lacks (msgspec, pyzmq, gguf,
@@ -191,6 +194,10 @@ for s in $STAGES; do
     tpeager) stage tpeager 150 'latency|avg|floor|Error' -- \
       $PY scripts/bench_latency.py --model $LLAMA --tensor-parallel-size 2 --enforce-eager ;;
     ftdrill) stage ftdrill 300 'fault|raise|exit|hang|kill|Error' -- bash -c run_ftdrill ;;
+    specbench) stage specbench 300 'batch|copy|^ *[0-9]|Error|error' -- \
+      $PY scripts/bench_spec_gpu.py --model $LLAMA ;;
+    speccheck) stage speccheck 240 'batch|free blocks|Error|error' -- \
+      $PY scripts/gpu_spec_check.py ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -5,12 +5,12 @@ tokens per row) and plain decode (one per row, graph replay) agree to the last b
 
     python scripts/gpu_spec_check.py
 
-Checks: plain decode replays CUDA graphs; ngram and draft_model (the target's own config and
-seed as the draft, so every draft is accepted) give the same tokens; prints tok/s of each.
+Checks: plain decode replays CUDA graphs, verify steps the verify graphs; ngram and
+draft_model (the target's own config and seed as the draft, so every draft is accepted) give
+the same tokens; prints tok/s of each.
 
-NOTE: its one GPU run (docs/runs/gpu_s11_call10_spec_check.log) stopped at start-up: with
-``gpu_memory_utilization`` a later LLM of the same process found no memory for its KV cache.
-It now gives each LLM a fixed 2 GiB pool; that version has not run on a GPU.
+NOTE: each LLM gets a fixed 2 GiB KV pool: with ``gpu_memory_utilization`` a later LLM of the
+same process found no memory for its KV cache (docs/runs/gpu_s11_call10_spec_check.log).
 """
 
 from __future__ import annotations
@@ -45,15 +45,17 @@ def main() -> None:
                                         "num_speculative_tokens": 3})):
         llm = LLM(**common, **({"speculative_config": spec} if spec else {}))
         runner = llm.engine.executor.runner
-        replays = [0]
-        if runner.graph_runner is not None:
-            run = runner.graph_runner.run
+        replays = [0, 0]  # decode graphs, verify graphs
+        for which, graphs in enumerate((runner.graph_runner, runner.verify_graph_runner)):
+            if graphs is None:
+                continue
 
-            def counting_run(inputs, *args, _run=run, _replays=replays):
-                _replays[0] += 1
-                return _run(inputs, *args)
+            def counting_run(inputs, *args, _run=graphs.run, _which=which, _replays=replays,
+                             **kwargs):
+                _replays[_which] += 1
+                return _run(inputs, *args, **kwargs)
 
-            runner.graph_runner.run = counting_run
+            graphs.run = counting_run
         for key in totals:
             totals[key] = 0
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
@@ -65,7 +67,7 @@ def main() -> None:
             results[(name, batch)] = tokens
             same = tokens == results[("plain", batch)]
             print(f"{name:12s} batch {batch}: {64 * batch / elapsed:8.1f} tok/s, identical to "
-                  f"plain: {same}, graph replays so far {replays[0]}, drafts {totals}",
+                  f"plain: {same}, graph replays so far {replays[0]} decode, {replays[1]} verify, drafts {totals}",
                   flush=True)
         print(f"{name}: free blocks {llm.engine.scheduler.kv.num_free_blocks} of "
               f"{llm.engine.num_blocks}", flush=True)

@@ -313,26 +313,37 @@ def test_ngram_seeded_sampling_is_reproducible():
     assert first == again and all(len(t) == 20 for t in first)
 
 
-def test_ngram_plain_steps_replay_the_decode_graph_and_verify_steps_run_eager(reference):
-    """On a GPU, steps without drafts keep the CUDA-graph decode path; steps with drafts run
-    eager. Here the graph runner runs eagerly on the CPU, as in test_llm."""
+def _count_graph_runs(runner, name: str, calls: list[int]) -> None:
+    graph_runner = getattr(runner, name)
+    run = graph_runner.run
+
+    def counting_run(inputs, *args, **kwargs):
+        calls.append(len(inputs.input_ids))
+        return run(inputs, *args, **kwargs)
+
+    graph_runner.run = counting_run
+
+
+def test_ngram_plain_steps_replay_the_decode_graph_and_verify_steps_the_verify_graph(reference):
+    """On a GPU, steps without drafts replay the decode graphs and steps with drafts the
+    verify graphs (k + 1 tokens per sequence, fewer drafts padded). Here both graph runners run
+    their padded batches eagerly on the CPU, as in test_llm; the tokens stay the reference's."""
     from bastion.core.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
     runner = llm.engine.executor.runner
+    k = NGRAM["num_speculative_tokens"]
     runner.graph_runner = runner.build_graph_runner()
-    calls = []
-    run = runner.graph_runner.run
-
-    def counting_run(inputs, *args):
-        calls.append(len(inputs.input_ids))
-        return run(inputs, *args)
-
-    runner.graph_runner.run = counting_run
+    runner.verify_graph_runner = runner.build_graph_runner(k + 1)
+    decode_calls: list[int] = []
+    verify_calls: list[int] = []
+    _count_graph_runs(runner, "graph_runner", decode_calls)
+    _count_graph_runs(runner, "verify_graph_runner", verify_calls)
     totals = _count_spec(llm)
     assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
-    assert calls and totals["drafts"] > 0
-
+    assert decode_calls and verify_calls and totals["drafts"] > 0
+    # Every verify step fed k + 1 tokens for each of its sequences.
+    assert all(n % (k + 1) == 0 for n in verify_calls)
 
 
 # ------------------------------------------------------------------------------ draft model
@@ -367,6 +378,24 @@ def test_draft_model_equal_to_the_target_has_every_draft_accepted(reference,
     assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
     assert totals["preemptions"] > 0
     assert totals["accepted"] == totals["draft_tokens"] > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+
+
+def test_draft_model_verify_steps_through_the_verify_graph_runner(reference,
+                                                                  embedded_gguf_path):
+    """The verify graphs' padded batch is what the draft model shadows for its KV: with the
+    target as its own draft, every draft is still accepted."""
+    from bastion.core.llm import LLM
+
+    llm = LLM(dtype="float32", max_model_len=128, block_size=8,
+              speculative_config=_draft_config(embedded_gguf_path))
+    runner = llm.engine.executor.runner
+    runner.verify_graph_runner = runner.build_graph_runner(4)
+    verify_calls: list[int] = []
+    _count_graph_runs(runner, "verify_graph_runner", verify_calls)
+    totals = _count_spec(llm)
+    assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
+    assert verify_calls and totals["accepted"] == totals["draft_tokens"] > 0
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
 
 
