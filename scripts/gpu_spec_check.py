@@ -67,7 +67,8 @@ def main() -> None:
             results[(name, batch)] = tokens
             same = tokens == results[("plain", batch)]
             print(f"{name:12s} batch {batch}: {64 * batch / elapsed:8.1f} tok/s, identical to "
-                  f"plain: {same}, graph replays so far {replays[0]} decode, {replays[1]} verify, drafts {totals}",
+                  f"plain: {same}, graph replays so far {replays[0]} decode, {replays[1]} "
+                  f"verify, drafts {totals}",
                   flush=True)
         print(f"{name}: free blocks {llm.engine.scheduler.kv.num_free_blocks} of "
               f"{llm.engine.num_blocks}", flush=True)
