@@ -68,8 +68,9 @@ class ReasoningParser:
 
     def extract(self, text: str) -> Reasoning:
         first, last = self.feed(text), self.finish()
-        return Reasoning(first.reasoning + last.reasoning or None,
-                         first.content + last.content or None)
+        return Reasoning(
+            first.reasoning + last.reasoning or None, first.content + last.content or None
+        )
 
     def _scan(self, delta: str, reasoning: list[str], content: list[str]) -> None:
         if self._mode is _Mode.CONTENT:
@@ -83,7 +84,7 @@ class ReasoningParser:
         if self._mode is _Mode.START:
             rest = self._buffer.lstrip()
             if rest.startswith(START_TAG):
-                self._mode, self._buffer = _Mode.REASONING, rest[len(START_TAG):]
+                self._mode, self._buffer = _Mode.REASONING, rest[len(START_TAG) :]
             elif not rest or START_TAG.startswith(rest):
                 return
             else:
@@ -94,7 +95,7 @@ class ReasoningParser:
         end = self._buffer.find(END_TAG)
         if end >= 0:
             reasoning.append(self._reasoning_text(self._buffer[:end].rstrip()))
-            rest = self._buffer[end + len(END_TAG):]
+            rest = self._buffer[end + len(END_TAG) :]
             self._mode, self._buffer, self._is_content_start = _Mode.CONTENT, "", True
             self._scan(rest, reasoning, content)
             return

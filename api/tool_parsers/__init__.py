@@ -13,5 +13,13 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
 }
 
-__all__ = ["TOOL_PARSERS", "Extracted", "NamedToolParser", "Piece", "RequiredToolParser",
-           "ToolCall", "ToolParser", "join_pieces"]
+__all__ = [
+    "TOOL_PARSERS",
+    "Extracted",
+    "NamedToolParser",
+    "Piece",
+    "RequiredToolParser",
+    "ToolCall",
+    "ToolParser",
+    "join_pieces",
+]

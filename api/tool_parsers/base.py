@@ -40,8 +40,11 @@ class ToolCall:
     arguments: str  # the model's raw JSON text
 
     def to_openai(self) -> dict:
-        return {"id": self.call_id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.call_id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 class Extracted(NamedTuple):
@@ -176,7 +179,7 @@ class ToolParser:
             self._emit_content(call.raw_prefix + scanner.text)
             return
         self._send_arguments(call, scanner.arguments_text(upto=scanner.pos - 1))
-        self._emit_content(scanner.text[scanner.pos - 1:])
+        self._emit_content(scanner.text[scanner.pos - 1 :])
 
     def _flush_call(self) -> None:
         call = self._call
@@ -194,8 +197,9 @@ class ToolParser:
 
     def _send_arguments(self, call: _OpenCall, arguments: str) -> None:
         if len(arguments) > call.num_arguments_sent:
-            self._pieces.append(Piece(index=call.index,
-                                      arguments=arguments[call.num_arguments_sent:]))
+            self._pieces.append(
+                Piece(index=call.index, arguments=arguments[call.num_arguments_sent :])
+            )
             call.num_arguments_sent = len(arguments)
 
     def _take(self) -> list[Piece]:

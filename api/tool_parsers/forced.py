@@ -87,7 +87,7 @@ class NamedToolParser(ToolParser):
             self._is_started = True
             self._pieces.append(Piece(index=0, call_id=self._call_id, name=self.name))
         body = text.rstrip()
-        self._held = text[len(body):]
+        self._held = text[len(body) :]
         if body:
             self._pieces.append(Piece(index=0, arguments=body))
 

@@ -54,9 +54,12 @@ class HermesToolParser(ToolParser):
             return
         start = self._buffer.find(START_TAG)
         if start >= 0:
-            self._content(self._buffer[:start].rstrip())
+            before = self._buffer[:start].rstrip()
+            # The whitespace before the tag goes with the call: dropped if it is one, kept
+            # if it falls back to content.
+            self._content(before)
+            self._open_call(self._buffer[len(before) : start] + START_TAG)
             self._buffer = ""
-            self._open_call(START_TAG)
             self._mode = _Mode.CALL
             return
         hold = held_suffix(self._buffer, START_TAG)

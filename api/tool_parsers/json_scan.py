@@ -82,7 +82,7 @@ class CallScanner:
         end = self.pos if self.arguments_end is None else self.arguments_end
         if upto is not None:
             end = min(end, upto)
-        return "".join(self._text[self.arguments_start:end])
+        return "".join(self._text[self.arguments_start : end])
 
     # ------------------------------------------------------------------------------ internals
 
@@ -163,7 +163,7 @@ class CallScanner:
         if char != '"':
             return True
         self._in_string = False
-        raw = "".join(self._text[self._token_start:])
+        raw = "".join(self._text[self._token_start :])
         if self._expect in (_Expect.KEY, _Expect.KEY_OR_END):
             if len(self._stack) == 1:
                 self._key = json.loads(raw)
@@ -198,8 +198,12 @@ class CallScanner:
             return False
         self._stack.pop()
         self._expect = _Expect.COMMA_OR_END
-        if len(self._stack) == 1 and self._value_key in self.arguments_keys \
-                and self.arguments_end is None and self.arguments_start is not None:
+        if (
+            len(self._stack) == 1
+            and self._value_key in self.arguments_keys
+            and self.arguments_end is None
+            and self.arguments_start is not None
+        ):
             self.arguments_end = self.pos
         if self._stack:
             return True
