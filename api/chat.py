@@ -108,7 +108,7 @@ def render_prompt(client: EngineClient, messages: list[dict[str, Any]],
         text = client.tokenizer.apply_chat_template(
             messages, tools=tools.tools if tools is not None else None, tokenize=False,
             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
-    except Exception as exc:  # jinja2 errors, including the template's raise_exception()
+    except Exception as exc:  # noqa: BLE001 (jinja2 errors, the template's raise_exception())
         raise bad_request(f"The chat template could not render these messages: {exc}",
                           "messages") from None
     return Prompt(client.tokenizer.encode(text, add_special_tokens=False), text)

@@ -194,15 +194,18 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
 def _check_schema(schema: Any, where: str) -> None:
     import jsonschema
 
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or not isinstance(schema.get("$schema", ""), str):
         raise bad_request(f"{where} must be a JSON schema object", "tools")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         path = "".join(f"[{p!r}]" for p in exc.path)
         raise bad_request(
-            f"{where} is not a valid JSON schema: {exc.message} (at {path or 'the top'})", "tools"
+            f"{where} is not a valid JSON schema: {exc.message} (at {path or 'the top'})",
+            "tools",
         ) from None
+    except RecursionError:
+        raise bad_request(f"{where} is nested too deeply", "tools") from None
 
 
 def _named_choice(choice: dict, tools: list[dict[str, Any]]) -> str:
@@ -220,6 +223,70 @@ def _named_choice(choice: dict, tools: list[dict[str, Any]]) -> str:
             f"tool_choice names the function {name!r}, which is not in tools", "tool_choice"
         )
     return name
+
+
+# What /openapi.json adds to the chat request and its message (api/openapi.py).
+_STR = {"type": "string"}
+OPENAPI_REQUEST_FIELDS: dict[str, Any] = {
+    "tools": {
+        "type": "array",
+        "maxItems": MAX_TOOLS,
+        "items": {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "pattern": _NAME.pattern},
+                        "description": _STR,
+                        "parameters": {"type": "object", "description": "a JSON schema"},
+                        "strict": {"type": "boolean"},
+                    },
+                },
+            },
+        },
+    },
+    "tool_choice": {
+        "oneOf": [
+            {"type": "string", "enum": list(_CHOICES)},
+            {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": _STR},
+                    },
+                },
+            },
+        ]
+    },
+    "parallel_tool_calls": {"type": "boolean"},
+    "chat_template_kwargs": {"type": "object", "description": "extra chat template variables"},
+}
+OPENAPI_MESSAGE_FIELDS: dict[str, Any] = {
+    "content": {"type": "string", "nullable": True},
+    "reasoning_content": {"type": "string", "nullable": True},
+    "tool_calls": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "id": _STR,
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "properties": {"name": _STR, "arguments": _STR},
+                },
+            },
+        },
+    },
+}
 
 
 # ---------------------------------------------------------------------------- forced schemas
