@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from bastion.api.chat_output import ChoiceOutput, OutputSpec
+from bastion.api.chat_output import ChoiceOutput, OutputSpec, check_constraint_with_reasoning
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
@@ -138,6 +138,7 @@ def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     deadline = parse_deadline(request, body)
     base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
                                 max_tokens)
+    check_constraint_with_reasoning(base, config)  # before the tools add theirs
     base = with_tool_constraint(base, tools)
     prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True),
                            tools, template_kwargs)

@@ -11,9 +11,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bastion.api.config import ApiConfig
+from bastion.api.errors import bad_request
 from bastion.api.reasoning import REASONING_PARSERS, ReasoningParser
 from bastion.api.tool_parsers import Piece, ToolParser, join_pieces
 from bastion.api.tools import ToolRequest
+from bastion.ipc.messages import SamplingParams
+
+
+def check_constraint_with_reasoning(params: SamplingParams, config: ApiConfig) -> None:
+    """400 for a constrained output (response_format, structured_outputs, guided_*) under a
+    reasoning parser.
+
+    NOTE: the grammar would apply from the first token and so forbid the ``<think>`` block; a
+    constraint that starts after the reasoning ends needs the engine to know where that is,
+    which it does not yet (issue #21)."""
+    if params.structured_outputs is not None and config.reasoning_parser is not None:
+        raise bad_request(
+            "response_format and structured_outputs cannot be combined with --reasoning-parser "
+            f"{config.reasoning_parser} yet (the constraint would forbid the reasoning)",
+            "response_format",
+        )
 
 
 @dataclass(frozen=True)

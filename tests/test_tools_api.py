@@ -13,11 +13,14 @@ import jsonschema
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from test_api import FakeEngine, FakeStream, sse_events, tokenizer  # noqa: F401 (fixture)
+from test_cli import quiet_serve  # noqa: F401 (fixture)
 
-from bastion.api.config import ApiConfigError
+from bastion.api.chat_output import check_constraint_with_reasoning
+from bastion.api.errors import ApiError
 from bastion.api.server import ApiConfig, build_app
 from bastion.api.tools import ToolRequest, forced_schema, structured_outputs_available
-from bastion.ipc.messages import FinishReason
+from bastion.ipc.messages import FinishReason, SamplingParams, StructuredOutputsParams
+from bastion.procs.cli import main
 
 TEMPLATE = (
     Path(__file__).parents[1]
@@ -464,22 +467,33 @@ async def test_forced_choice_with_a_reasoning_parser_is_refused(serve_script):
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "argv, message",
     [
-        ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of hermes, llama3_json"),
-        (
-            {"enable_auto_tool_choice": True},
-            "--enable-auto-tool-choice requires --tool-call-parser",
-        ),
-        ({"reasoning_parser": "r2"}, "reasoning_parser must be one of qwen3, deepseek_r1"),
+        (["--tool-call-parser", "mistral"], "tool_call_parser must be one of hermes, llama3_json"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+        (["--reasoning-parser", "r2"], "reasoning_parser must be one of qwen3, deepseek_r1"),
     ],
 )
-def test_parser_flags_are_checked(kwargs, message):
-    with pytest.raises(ApiConfigError, match=message):
-        ApiConfig(**kwargs)
+def test_parser_flags_fail_at_start_up(quiet_serve, capsys, argv, message):  # noqa: F811
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"bastion: error: {message}"), err
+    ApiConfig(
+        enable_auto_tool_choice=True, tool_call_parser="llama3_json", reasoning_parser="qwen3"
+    )
 
 
 # ----------------------------------------------------------------------------- reasoning
+
+
+def test_a_constraint_under_a_reasoning_parser_is_refused():
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    check_constraint_with_reasoning(params, ApiConfig())  # no reasoning parser: fine
+    with pytest.raises(ApiError) as error:
+        check_constraint_with_reasoning(params, ApiConfig(reasoning_parser="qwen3"))
+    assert (error.value.status, error.value.param) == (400, "response_format")
+    assert "--reasoning-parser qwen3" in error.value.message
+
 
 THINK_TEXT = "<think>\nThe user wants the weather; call the tool.\n</think>\n\n" + CALL_TEXT
 
