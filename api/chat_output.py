@@ -13,7 +13,7 @@ from typing import Any
 from bastion.api.config import ApiConfig
 from bastion.api.errors import bad_request
 from bastion.api.reasoning import REASONING_PARSERS, ReasoningParser
-from bastion.api.tool_parsers import Piece, ToolParser, join_pieces
+from bastion.api.tool_parsers import Piece, ToolParser
 from bastion.api.tools import ToolRequest
 from bastion.ipc.messages import SamplingParams
 
@@ -40,10 +40,6 @@ class OutputSpec:
     config: ApiConfig
     tools: ToolRequest | None
     prompt_text: str  # the rendered prompt: a template may open the reasoning in it
-
-    @property
-    def has_reasoning(self) -> bool:
-        return self.config.reasoning_parser is not None
 
     def new_choice(self) -> ChoiceOutput:
         reasoning = None
@@ -99,8 +95,8 @@ class ChoiceOutput:
         if self.reasoning is not None:
             reasoning, content = self.reasoning.extract(text)
         tool_calls = []
-        if self.tools is not None:
-            content, tool_calls = self.tools.extract(content or "")
+        if self.tools is not None and content is not None:
+            content, tool_calls = self.tools.extract(content)
             tool_calls = tool_calls[: self.max_calls]
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning is not None:
@@ -121,16 +117,14 @@ class ChoiceOutput:
         pieces = self.tools.feed(content) if content else []
         if is_last:
             pieces += self.tools.finish()
-        kept = []
-        for piece in pieces:
-            if piece.is_tool_call:
-                if self.max_calls is not None and piece.index >= self.max_calls:
-                    continue
-                if piece.name is not None:
-                    self.num_calls += 1
-            kept.append(piece)
-        joined = join_pieces([p for p in kept if not p.is_tool_call])
-        return ChatDelta(reasoning, joined.content or "", [p for p in kept if p.is_tool_call])
+        calls = [
+            p
+            for p in pieces
+            if p.is_tool_call and (self.max_calls is None or p.index < self.max_calls)
+        ]
+        self.num_calls += sum(p.name is not None for p in calls)
+        text = "".join(p.content for p in pieces if not p.is_tool_call)
+        return ChatDelta(reasoning, text, calls)
 
 
 def _delta_tool_calls(pieces: list[Piece]) -> list[dict[str, Any]]:
