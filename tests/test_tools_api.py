@@ -337,22 +337,21 @@ def test_forced_schemas():
         jsonschema.validate(good[1:] * 2, single)
 
 
-@pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
-)
-async def test_forced_choice_sets_the_grammar_or_is_refused(serve_script, tool_choice):
-    text = (
-        '[{"name": "get_time", "arguments": {"tz": "CET"}}]'
-        if tool_choice == "required"
-        else '{"tz": "CET"}'
-    )
+FORCED = [
+    ("required", '[{"name": "get_time", "arguments": {"tz": "CET"}}]'),
+    ({"type": "function", "function": {"name": "get_time"}}, '{"tz": "CET"}'),
+]
+
+
+@pytest.mark.parametrize("tool_choice, text", FORCED)
+async def test_forced_choice_sets_the_grammar_and_parses_its_output(
+    serve_script, monkeypatch, tool_choice, text
+):
+    # The engine's side (honouring the grammar) is branch struct's; the fake replays what the
+    # grammar allows, and this checks everything the API does around it.
+    monkeypatch.setattr("bastion.api.tools.structured_outputs_available", lambda: True)
     http, engine = await serve_script(text, ApiConfig())  # forced needs no parser flags
     status, body = await chat(http, tools=[WEATHER, TIME], tool_choice=tool_choice)
-    if not structured_outputs_available():
-        assert status == 400 and body["error"]["param"] == "tool_choice"
-        assert "structured outputs" in body["error"]["message"]
-        assert engine.requests == []
-        return
     assert status == 200, body
     request = (
         ToolRequest([WEATHER, TIME], "required")
@@ -361,14 +360,45 @@ async def test_forced_choice_sets_the_grammar_or_is_refused(serve_script, tool_c
     )
     assert json.loads(engine.requests[0][2].structured_outputs.json) == forced_schema(request)
     message = body["choices"][0]["message"]
-    assert without_ids(message["tool_calls"]) == [
+    expected = [
         {
             "id": None,
             "type": "function",
             "function": {"name": "get_time", "arguments": '{"tz": "CET"}'},
         }
     ]
+    assert message["content"] is None and without_ids(message["tool_calls"]) == expected
     assert body["choices"][0]["finish_reason"] == "tool_calls"
+    resp = await http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": MESSAGES,
+            "tools": [WEATHER, TIME],
+            "tool_choice": tool_choice,
+            "stream": True,
+        },
+    )
+    streamed, finish = streamed_message(await sse_events(resp))
+    assert (streamed["content"], without_ids(streamed["tool_calls"]), finish) == (
+        None,
+        expected,
+        "tool_calls",
+    )
+
+
+@pytest.mark.parametrize("tool_choice, text", FORCED)
+async def test_forced_choice_is_refused_without_structured_outputs(
+    serve_script, monkeypatch, tool_choice, text
+):
+    monkeypatch.setattr("bastion.api.tools.structured_outputs_available", lambda: False)
+    http, engine = await serve_script(text, ApiConfig())
+    status, body = await chat(http, tools=[WEATHER, TIME], tool_choice=tool_choice)
+    assert status == 400 and body["error"]["param"] == "tool_choice"
+    assert (
+        "needs structured outputs, which this server does not implement yet"
+        in (body["error"]["message"])
+    )
+    assert engine.requests == []
 
 
 # -------------------------------------------------------------------------------- errors
@@ -456,14 +486,13 @@ async def test_bad_tool_requests_get_400(serve_script, config, body, message):
     assert engine.requests == []
 
 
-async def test_forced_choice_with_a_reasoning_parser_is_refused(serve_script):
-    http, _ = await serve_script("x", ApiConfig(reasoning_parser="qwen3"))
+async def test_forced_choice_with_a_reasoning_parser_is_refused(serve_script, monkeypatch):
+    monkeypatch.setattr("bastion.api.tools.structured_outputs_available", lambda: True)
+    http, engine = await serve_script("x", ApiConfig(reasoning_parser="qwen3"))
     status, body = await chat(http, tools=[WEATHER], tool_choice="required")
     assert status == 400 and body["error"]["param"] == "tool_choice"
-    assert (
-        "--reasoning-parser" in body["error"]["message"]
-        or "structured outputs" in body["error"]["message"]
-    )
+    assert "cannot be combined with --reasoning-parser qwen3" in body["error"]["message"]
+    assert engine.requests == []
 
 
 @pytest.mark.parametrize(
