@@ -18,7 +18,7 @@ from test_cli import quiet_serve  # noqa: F401 (fixture)
 from bastion.api.chat_output import check_constraint_with_reasoning
 from bastion.api.errors import ApiError
 from bastion.api.server import ApiConfig, build_app
-from bastion.api.tools import ToolRequest, forced_schema, structured_outputs_available
+from bastion.api.tools import ToolRequest, forced_schema
 from bastion.ipc.messages import FinishReason, SamplingParams, StructuredOutputsParams
 from bastion.procs.cli import main
 
