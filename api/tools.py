@@ -81,8 +81,8 @@ def parse_tools(body: dict, config: ApiConfig) -> ToolRequest | None:
         )
     if choice is None:
         choice = "auto" if tools else "none"
-    if choice == "none" or (choice == "required" and tools == []):
-        # OpenAI: ``required`` with an empty list behaves as ``none``.
+    if choice == "none" or (tools == [] and choice in _CHOICES):
+        # OpenAI: an empty list of tools behaves as none, ``required`` included.
         return ToolRequest(tools, "none", is_parallel=is_parallel) if tools else None
     if not tools:
         raise bad_request(

@@ -269,6 +269,16 @@ async def test_malformed_call_is_content(serve_script):
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "none"])
+async def test_an_empty_tools_list_is_no_tools(serve_script, tool_tokenizer, tool_choice):
+    http, engine = await serve_script(CALL_TEXT, ApiConfig())
+    status, body = await chat(http, tools=[], tool_choice=tool_choice)
+    assert status == 200, body
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": CALL_TEXT}
+    assert engine.requests[0][1] == rendered_ids(tool_tokenizer, MESSAGES)
+    assert engine.requests[0][2].structured_outputs is None
+
+
 async def test_tool_choice_none_leaves_the_text_alone(serve_script, tool_tokenizer):
     http, engine = await serve_script(CALL_TEXT)
     status, body = await chat(http, tools=[WEATHER], tool_choice="none")
