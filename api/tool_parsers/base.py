@@ -178,7 +178,7 @@ class ToolParser:
         if not call.is_started:
             self._emit_content(call.raw_prefix + scanner.text)
             return
-        self._send_arguments(call, scanner.arguments_text(upto=scanner.pos - 1))
+        self._send_arguments(call, scanner.arguments_text(call.num_arguments_sent, scanner.pos - 1))
         self._emit_content(scanner.text[scanner.pos - 1 :])
 
     def _flush_call(self) -> None:
@@ -190,17 +190,17 @@ class ToolParser:
             call.is_started = True
             self._num_calls += 1
             self._pieces.append(Piece(index=call.index, call_id=call.call_id, name=scanner.name))
-        arguments = scanner.arguments_text()
+        # NOTE: only the part not yet sent is joined: a long call streamed token by token
+        # would otherwise cost the square of its length.
+        fragment = scanner.arguments_text(call.num_arguments_sent)
         if scanner.state is Scan.DONE and scanner.arguments_start is None:
-            arguments = "{}"  # a call without arguments
-        self._send_arguments(call, arguments)
+            fragment = "{}"  # a call without arguments
+        self._send_arguments(call, fragment)
 
-    def _send_arguments(self, call: _OpenCall, arguments: str) -> None:
-        if len(arguments) > call.num_arguments_sent:
-            self._pieces.append(
-                Piece(index=call.index, arguments=arguments[call.num_arguments_sent :])
-            )
-            call.num_arguments_sent = len(arguments)
+    def _send_arguments(self, call: _OpenCall, fragment: str) -> None:
+        if fragment:
+            self._pieces.append(Piece(index=call.index, arguments=fragment))
+            call.num_arguments_sent += len(fragment)
 
     def _take(self) -> list[Piece]:
         pieces, self._pieces = self._pieces, []

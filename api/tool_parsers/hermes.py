@@ -31,6 +31,13 @@ class HermesToolParser(ToolParser):
         self._is_after_call = False  # drop the whitespace that follows a call
 
     def _scan_text(self, delta: str) -> None:
+        if self._mode is _Mode.TEXT and "<" not in delta and "<" not in self._buffer:
+            # Plain text, most answers: what a character at a time would do, at once.
+            text = self._buffer + delta
+            body = text.rstrip()
+            self._content(body)
+            self._buffer = text[len(body) :]
+            return
         for char in delta:
             self._char(char)
 

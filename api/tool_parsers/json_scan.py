@@ -74,15 +74,15 @@ class CallScanner:
             self.state = Scan.ERROR
         return self.state
 
-    def arguments_text(self, upto: int | None = None) -> str:
-        """The arguments' raw text seen so far (all of it once the value has closed), or
-        before offset ``upto``."""
+    def arguments_text(self, begin: int = 0, upto: int | None = None) -> str:
+        """The arguments' raw text seen so far (all of it once the value has closed), from
+        its ``begin``-th character, and before the scanner offset ``upto``."""
         if self.arguments_start is None:
             return ""
         end = self.pos if self.arguments_end is None else self.arguments_end
         if upto is not None:
             end = min(end, upto)
-        return "".join(self._text[self.arguments_start : end])
+        return "".join(self._text[self.arguments_start + begin : end])
 
     # ------------------------------------------------------------------------------ internals
 
