@@ -410,7 +410,8 @@ def assert_valid_calls(calls: list[tuple[str, str]], tools: list[dict]) -> None:
 
 @needs_structured_outputs
 @pytest.mark.parametrize("tool_choice, parallel", [
-    ("required", True), ({"type": "function", "function": {"name": "get_forecast"}}, False)])
+    ("required", True), ({"type": "function", "function": {"name": "get_forecast"}}, False)],
+    ids=["required", "named"])
 def test_forced_tool_choice_gives_arguments_that_match(client: openai.OpenAI, model_name: str,
                                                        tool_choice, parallel: bool) -> None:
     tools = [WEATHER, FORECAST]
