@@ -64,6 +64,8 @@ def test_qwen3_follows_what_the_prompt_left_open():
     text = "Counting: 4.\n</think>\n\n4"
     assert tuple(QWEN3(OPEN_PROMPT).extract(text)) == ("Counting: 4.", "4")
     assert tuple(QWEN3(NO_THINKING_PROMPT).extract(text)) == (None, text)
+    mentioned = "<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n"
+    assert tuple(QWEN3(mentioned).extract(text)) == (None, text)
     assert_streams_join(lambda: QWEN3(OPEN_PROMPT), text)
 
 

@@ -36,8 +36,9 @@ class _Mode(Enum):
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
-    """True when the rendered prompt ends inside a ``<think>`` block the template opened."""
-    return prompt.rfind(START_TAG) > prompt.rfind(END_TAG)
+    """True when the rendered prompt ends with a ``<think>`` the template opened (not one a
+    message merely mentions)."""
+    return prompt.rstrip().endswith(START_TAG)
 
 
 class ReasoningParser:
