@@ -231,3 +231,42 @@ def test_named_function_is_all_arguments():
         ("get_weather", '{"city": "Paris", "note": "a  b "}')
     ]
     assert_streams_join(lambda: NamedToolParser("get_weather"), text)
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(8 if depth < 3 else 5)
+    if kind == 0:
+        return rng.choice([True, False, None])
+    if kind == 1:
+        return rng.randint(-(10**6), 10**6)
+    if kind == 2:
+        return rng.choice([0.5, -1e-3, 2.5e10, 3.0])
+    if kind in (3, 4):
+        return "".join(rng.choice('ab "\\/\n\té€😀{}[]<>:,') for _ in range(rng.randrange(6)))
+    if kind == 5:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(3))]
+    return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randrange(3))}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_arguments_round_trip_and_corruptions_never_raise(seed):
+    rng = random.Random(seed)
+    hermes = TOOL_PARSERS["hermes"]
+    for _ in range(40):
+        arguments = {f"a{i}": _random_value(rng) for i in range(rng.randrange(4))}
+        raw = json.dumps(arguments, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 2]))
+        text = f'<tool_call>\n{{"name": "f", "arguments": {raw}}}\n</tool_call>'
+        extracted = hermes().extract(text)
+        assert [(c.name, c.arguments) for c in extracted.tool_calls] == [("f", raw)]
+        assert json.loads(extracted.tool_calls[0].arguments) == arguments
+        chunks = [text[i : i + 3] for i in range(0, len(text), 3)]
+        assert [(c.name, c.arguments) for c in streamed(hermes(), chunks)[1].tool_calls] == [
+            ("f", raw)
+        ]
+        # One character dropped or changed: never an exception; a call that still comes out
+        # carries arguments that parse.
+        k = rng.randrange(len(text))
+        for broken in (text[:k] + text[k + 1 :], text[:k] + rng.choice('{}[]",:x\\') + text[k:]):
+            for call in hermes().extract(broken).tool_calls:
+                json.loads(call.arguments)
+            streamed(hermes(), list(broken))
