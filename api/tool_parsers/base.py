@@ -58,7 +58,7 @@ def new_call_id() -> str:
 
 def held_suffix(text: str, tag: str) -> int:
     """Where the part of ``text`` that must wait begins: a trailing prefix of ``tag`` and the
-    whitespace before it (dropped if a call follows)."""
+    whitespace before it (dropped if the tag does follow)."""
     hold = len(text)
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
