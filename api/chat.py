@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import inspect
 import uuid
 from typing import Any
 
 from aiohttp import web
+from transformers import PreTrainedTokenizerBase
 
+from bastion.api.chat_output import ChoiceOutput, OutputSpec, check_constraint_with_reasoning
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
@@ -38,14 +41,16 @@ from bastion.api.serving import (
     token_text,
     with_usage_field,
 )
+from bastion.api.tools import ToolRequest, parse_tools, tool_message_fields, with_tool_constraint
 from bastion.core.output_processor import SeqDelta
 from bastion.core.outputs import TokenLogprob
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    """Messages as the chat template expects them: role and plain-text content."""
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: role and plain-text content, and the
+    fields of tool calls and their results (api/tools.py)."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list of message objects", "messages")
     messages = []
@@ -58,7 +63,8 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
                               f"got {role!r}", "messages")
         content = _content_text(message.get("content"), i, role)
         # "developer" is OpenAI's newer name for "system"; templates know only the latter.
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
+        messages.append({"role": "system" if role == "developer" else role, "content": content,
+                         **tool_message_fields(message, i, role)})
     return messages
 
 
@@ -75,12 +81,34 @@ def _content_text(content: Any, i: int, role: str) -> str:
                       '({"type": "text", "text": ...}); only text is supported', "messages")
 
 
-def render_prompt(client: EngineClient, messages: list[dict[str, str]],
-                  add_generation_prompt: bool) -> Prompt:
+# What a request's chat_template_kwargs may not set: apply_chat_template's own parameters.
+_TEMPLATE_CALL_ARGS = frozenset(inspect.signature(
+    PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
+
+
+def parse_chat_template_kwargs(body: dict) -> dict[str, Any]:
+    """Extra variables for the chat template (``{"enable_thinking": false}``), as vLLM's."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object of template variables",
+                          "chat_template_kwargs")
+    reserved = sorted(_TEMPLATE_CALL_ARGS & set(kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}; send them "
+                          "as the request's own fields", "chat_template_kwargs")
+    return kwargs
+
+
+def render_prompt(client: EngineClient, messages: list[dict[str, Any]],
+                  add_generation_prompt: bool, tools: ToolRequest | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> Prompt:
     try:
         text = client.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja2 errors, including the template's raise_exception()
+            messages, tools=tools.tools if tools is not None else None, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    except Exception as exc:  # noqa: BLE001 (jinja2 errors, the template's raise_exception())
         raise bad_request(f"The chat template could not render these messages: {exc}",
                           "messages") from None
     return Prompt(client.tokenizer.encode(text, add_special_tokens=False), text)
@@ -92,6 +120,8 @@ def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     body = apply_generation_defaults(body, config.generation_defaults)
     check_unsupported(body)
     messages = parse_messages(body.get("messages"))
+    tools = parse_tools(body, config)
+    template_kwargs = parse_chat_template_kwargs(body)
     logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs")
     if top_logprobs is not None:
@@ -108,11 +138,18 @@ def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     deadline = parse_deadline(request, body)
     base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
                                 max_tokens)
-    prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True))
+    check_constraint_with_reasoning(base, config)  # before the tools add theirs
+    base = with_tool_constraint(base, tools)
+    prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True),
+                           tools, template_kwargs)
     params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
                             "messages")
+    chat_output = None
+    if tools is not None or config.reasoning_parser is not None:
+        chat_output = OutputSpec(config, tools, prompt.text)
     return GenerateRequest(model, [prompt], [params], stream, include_usage, deadline,
-                           top_logprobs=top_logprobs if logprobs else None)
+                           top_logprobs=top_logprobs if logprobs else None,
+                           chat_output=chat_output)
 
 
 def _token_info(entry: TokenLogprob) -> dict[str, Any]:
@@ -133,6 +170,9 @@ def chat_logprobs(entries: list[dict[int, TokenLogprob]], top_n: int) -> dict[st
 class ChatStreamFormatter:
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self) -> None:
+        self._outputs: dict[int, ChoiceOutput] = {}  # by choice index, with a chat_output
+
     def start_chunks(self, run: Run) -> list[dict[str, Any]]:
         return [self._chunk(run, c.index, {"role": "assistant", "content": ""}, None, None, None)
                 for c in run.choices]
@@ -143,8 +183,20 @@ class ChatStreamFormatter:
         logprobs = None
         if run.req.top_logprobs is not None:
             logprobs = chat_logprobs(delta.logprobs or [], run.req.top_logprobs)
-        return self._chunk(run, choice.index, {"content": delta.text} if delta.text else {},
-                           logprobs, delta.finish_reason, delta.stop_reason)
+        finish_reason = delta.finish_reason
+        if run.req.chat_output is None:
+            body = {"content": delta.text} if delta.text else {}
+        else:
+            output = self._outputs.get(choice.index)
+            if output is None:
+                output = self._outputs[choice.index] = run.req.chat_output.new_choice()
+            body = output.feed(delta.text).to_openai() if delta.text else {}
+            if finish_reason is not None:
+                body = _merged(body, output.finish().to_openai())
+                finish_reason = output.finish_reason(finish_reason)
+            if not body and finish_reason is None and not delta.logprobs:
+                return None  # held back by a parser (a tag's prefix)
+        return self._chunk(run, choice.index, body, logprobs, finish_reason, delta.stop_reason)
 
     def _chunk(self, run: Run, index: int, delta: dict[str, Any], logprobs: dict | None,
                finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
@@ -154,15 +206,27 @@ class ChatStreamFormatter:
         return with_usage_field(run, chunk)
 
 
+def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two deltas of one choice as one (a parser's last pieces join the final chunk)."""
+    merged = dict(first)
+    for key, value in second.items():
+        merged[key] = merged[key] + value if key in merged else value
+    return merged
+
+
 def chat_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
     body_choices = []
     for choice in choices:
         logprobs = None
         if run.req.top_logprobs is not None:
             logprobs = chat_logprobs(choice.logprobs, run.req.top_logprobs)
-        body_choices.append({"index": choice.index,
-                             "message": {"role": "assistant", "content": choice.text},
-                             "logprobs": logprobs, "finish_reason": choice.finish_reason,
+        message = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        if run.req.chat_output is not None:
+            message, finish_reason = run.req.chat_output.new_choice().message(choice.text,
+                                                                               finish_reason)
+        body_choices.append({"index": choice.index, "message": message,
+                             "logprobs": logprobs, "finish_reason": finish_reason,
                              "stop_reason": choice.stop_reason})
     return {"id": run.request_id, "object": "chat.completion", "created": run.created,
             "model": run.model, "choices": body_choices, "usage": run.usage()}

@@ -43,6 +43,10 @@ class ApiConfig:
     http_header_timeout_s: float = 10.0
     http_idle_timeout_s: float = 60.0
     max_connections: int = 1000
+    # Tool calling and reasoning output (api/tools.py, api/reasoning/), vLLM's flags.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -66,9 +70,25 @@ class ApiConfig:
             if not getattr(self, name) >= 0:
                 raise ApiConfigError(f"{name} must be >= 0 (0: no timeout); got "
                                      f"{getattr(self, name)}")
+        _check_output_parsers(self)
         for name in ("api_key", "admin_key"):
             if getattr(self, name) == "":
                 raise ApiConfigError(f"{name} must not be empty (leave it unset to disable it)")
+
+
+def _check_output_parsers(config: ApiConfig) -> None:
+    from bastion.api.reasoning import REASONING_PARSERS
+    from bastion.api.tool_parsers import TOOL_PARSERS
+
+    if config.tool_call_parser is not None and config.tool_call_parser not in TOOL_PARSERS:
+        raise ApiConfigError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}; got "
+                             f"{config.tool_call_parser!r}")
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ApiConfigError("--enable-auto-tool-choice requires --tool-call-parser "
+                             f"({' or '.join(TOOL_PARSERS)})")
+    if config.reasoning_parser is not None and config.reasoning_parser not in REASONING_PARSERS:
+        raise ApiConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {config.reasoning_parser!r}")
 
 
 CONFIG_KEY = web.AppKey("bastion_config", ApiConfig)

@@ -6,6 +6,7 @@ from typing import Any
 
 from bastion import __version__
 from bastion.api.config import ApiConfig
+from bastion.api.tools import OPENAPI_MESSAGE_FIELDS, OPENAPI_REQUEST_FIELDS
 
 _NUM = {"type": "number"}
 _INT = {"type": "integer"}
@@ -70,18 +71,19 @@ _SCHEMAS: dict[str, Any] = {
             "finish_reason": _NULLABLE_STR}}}}},
     "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
         **_SAMPLING, "max_completion_tokens": _range("integer", 1), "logprobs": _BOOL,
-        "top_logprobs": _range("integer", 0, 20),
+        "top_logprobs": _range("integer", 0, 20), **OPENAPI_REQUEST_FIELDS,
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "properties": {
                 "role": {"type": "string", "enum": ["system", "developer", "user", "assistant",
                                                     "tool"]},
-                "content": _STR}}}}},
+                "content": _STR, "tool_call_id": _STR,
+                "tool_calls": OPENAPI_MESSAGE_FIELDS["tool_calls"]}}}}},
     "ChatCompletion": {"type": "object", "properties": {
         "id": _STR, "object": {"type": "string", "enum": ["chat.completion"]}, "created": _INT,
         "model": _STR, "usage": {"$ref": "#/components/schemas/Usage"},
         "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": _INT, "message": {"type": "object", "properties": {"role": _STR,
-                                                                        "content": _STR}},
+            "index": _INT, "message": {"type": "object", "properties": {
+                "role": _STR, **OPENAPI_MESSAGE_FIELDS}},
             "logprobs": {"type": "object", "nullable": True},
             "finish_reason": _NULLABLE_STR}}}}},
     "ModelList": {"type": "object", "properties": {"object": _STR, "data": {

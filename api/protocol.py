@@ -43,6 +43,7 @@ class GenerateRequest:
     deadline: float | None
     echo: bool = False
     top_logprobs: int | None = None  # chat only: OpenAI's top-N, separate from the sampled one
+    chat_output: Any = None  # chat only: an api.chat_output.OutputSpec (tools, reasoning)
 
     @property
     def n(self) -> int:
@@ -196,7 +197,6 @@ _UNSUPPORTED = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
-    "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
 }

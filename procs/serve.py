@@ -59,6 +59,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "read or its response written, before it is dropped (0: never)")
     parser.add_argument("--max-connections", type=int, default=1000,
                         help="open HTTP connections at most; more get 503 at once")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let tool_choice "auto" parse the model\'s tool calls (needs '
+                             "--tool-call-parser)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes; "
+                             "SmolLM2 with configs/chat_templates/"
+                             "tool_chat_template_smollm2_hermes.jinja) or llama3_json")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="move <think>...</think> into reasoning_content: qwen3 or "
+                             "deepseek_r1")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -74,7 +84,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            enable_fault_injection=args.enable_fault_injection,
                            http_header_timeout_s=args.http_header_timeout,
                            http_idle_timeout_s=args.http_idle_timeout,
-                           max_connections=args.max_connections)
+                           max_connections=args.max_connections,
+                           enable_auto_tool_choice=args.enable_auto_tool_choice,
+                           tool_call_parser=args.tool_call_parser,
+                           reasoning_parser=args.reasoning_parser)
     error = port_in_use(args.host, args.port)
     if error is not None:
         raise UserError(error)

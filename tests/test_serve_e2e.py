@@ -8,15 +8,20 @@ token for token (as text) against the offline ``LLM`` running in this process.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
+from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import torch
+from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, bastion_titles, descendants, is_live
+
 from bastion import LLM, SamplingParams
-from serve_fixture import ServerProcess, bastion_titles, descendants, is_live
+from bastion.api.tool_parsers import TOOL_PARSERS
 
 API_KEY = "e2e-secret"
 PROMPTS = [
@@ -27,6 +32,12 @@ PROMPTS = [
 ]
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
 MAX_TOKENS = 16
+# SmolLM2's template plus tools (it renders every conversation without tools exactly as the
+# GGUF's own, so the other tests compare against the offline LLM unchanged).
+TOOL_TEMPLATE = (Path(__file__).parents[1] / "configs" / "chat_templates"
+                 / "tool_chat_template_smollm2_hermes.jinja")
+TOOL_ARGS = ("--chat-template", str(TOOL_TEMPLATE), "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes")
 # A sentinel (bastion::sentinel-0) may run beside these; every bastion:: child must die.
 EXPECTED_CHILDREN = {"bastion::engine-0", "bastion::worker-0-0"}
 
@@ -48,8 +59,8 @@ def one_torch_thread() -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    srv = ServerProcess(api_key=API_KEY, workdir=str(tmp_path_factory.mktemp("serve")),
-                        env=SERVER_ENV)
+    srv = ServerProcess((*SMALL_SERVER_ARGS, *TOOL_ARGS), api_key=API_KEY,
+                        workdir=str(tmp_path_factory.mktemp("serve")), env=SERVER_ENV)
     try:
         srv.wait_healthy(timeout_s=120)
         tree = descendants(srv.pid)
@@ -287,6 +298,139 @@ def test_disconnect_aborts_and_frees_blocks(client: openai.OpenAI, model_name: s
     assert idle["bastion:num_requests_running"] == 0
     assert idle["bastion:kv_cache_usage_perc"] == 0
     assert idle["bastion:num_requests_waiting"] == 0
+
+
+# ---------------------------------------------------------------------------- tool calling
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"], "additionalProperties": False}}}
+FORECAST = {"type": "function", "function": {
+    "name": "get_forecast", "description": "The forecast for the next days",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+TOOL_MAX_TOKENS = 40
+# One worked example is enough for the 135M model to answer in the hermes format.
+TOOL_CHAT = [
+    {"role": "system", "content": "You only answer with tool calls."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "user", "content": "Weather in Tokyo?"},
+]
+
+
+@pytest.fixture(scope="module")
+def tool_reference(llm: LLM) -> tuple[str, str]:
+    """Greedy text and finish reason offline for TOOL_CHAT with WEATHER, rendered with the
+    tool template (history arguments as objects, as the server hands them to the template)."""
+    history = json.loads(json.dumps(TOOL_CHAT))
+    history[2]["content"] = ""
+    history[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    text = llm.tokenizer.apply_chat_template(history, tools=[WEATHER], tokenize=False,
+                                             add_generation_prompt=True,
+                                             chat_template=TOOL_TEMPLATE.read_text())
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0,
+                                                                  max_tokens=TOOL_MAX_TOKENS))
+    return out[0].outputs[0].text, out[0].outputs[0].finish_reason
+
+
+def joined_stream(chunks) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], finish_reason) of a streamed answer."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                if piece.id is not None:
+                    calls[piece.index] = [piece.function.name, ""]
+                calls[piece.index][1] += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_tool_choice_auto_parses_the_models_call(client: openai.OpenAI, model_name: str,
+                                                 tool_reference: tuple[str, str]) -> None:
+    text, _ = tool_reference
+    expected = TOOL_PARSERS["hermes"]().extract(text)
+    # The recorded answer: the worked example steers the model into a call.
+    assert [(c.name, json.loads(c.arguments)) for c in expected.tool_calls] == [
+        ("get_weather", {"city": "Tokyo"})]
+    resp = client.chat.completions.create(model=model_name, messages=TOOL_CHAT, tools=[WEATHER],
+                                          temperature=0, max_tokens=TOOL_MAX_TOKENS)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == expected.content
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [(c.name, c.arguments) for c in expected.tool_calls]
+    assert all(c.id.startswith("call_") and c.type == "function"
+               for c in choice.message.tool_calls)
+    chunks = list(client.chat.completions.create(model=model_name, messages=TOOL_CHAT,
+                                                 tools=[WEATHER], temperature=0,
+                                                 max_tokens=TOOL_MAX_TOKENS, stream=True))
+    assert joined_stream(chunks) == (expected.content,
+                                     [(c.name, c.arguments) for c in expected.tool_calls],
+                                     "tool_calls")
+
+
+def test_tool_choice_none_ignores_tools(client: openai.OpenAI, model_name: str,
+                                        tool_reference: tuple[str, str]) -> None:
+    text, finish = tool_reference
+    resp = client.chat.completions.create(model=model_name, messages=TOOL_CHAT, tools=[WEATHER],
+                                          tool_choice="none", temperature=0,
+                                          max_tokens=TOOL_MAX_TOKENS)
+    assert resp.choices[0].message.content == text  # the call's text, unparsed
+    assert not resp.choices[0].message.tool_calls
+    assert resp.choices[0].finish_reason == finish == "stop"
+
+
+try:
+    import bastion.core.structured_output  # noqa: F401
+    NO_STRUCTURED_OUTPUTS = None
+except ImportError as exc:
+    NO_STRUCTURED_OUTPUTS = (f"tool_choice required/named need the engine's structured outputs "
+                             f"(issue #21, branch struct), absent here: {exc}")
+needs_structured_outputs = pytest.mark.skipif(NO_STRUCTURED_OUTPUTS is not None,
+                                              reason=str(NO_STRUCTURED_OUTPUTS))
+
+
+def assert_valid_calls(calls: list[tuple[str, str]], tools: list[dict]) -> None:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert calls
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+@needs_structured_outputs
+@pytest.mark.parametrize("tool_choice, parallel", [
+    ("required", True), ({"type": "function", "function": {"name": "get_forecast"}}, False)],
+    ids=["required", "named"])
+def test_forced_tool_choice_gives_arguments_that_match(client: openai.OpenAI, model_name: str,
+                                                       tool_choice, parallel: bool) -> None:
+    tools = [WEATHER, FORECAST]
+    request = {"model": model_name, "messages": TOOL_CHAT, "tools": tools,
+               "tool_choice": tool_choice, "parallel_tool_calls": parallel, "temperature": 0,
+               "max_tokens": 120}
+    resp = client.chat.completions.create(**request)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert_valid_calls(calls, tools)
+    if isinstance(tool_choice, dict):
+        assert [name for name, _ in calls] == ["get_forecast"]
+    if not parallel:
+        assert len(calls) == 1
+    content, streamed, finish = joined_stream(client.chat.completions.create(**request,
+                                                                             stream=True))
+    assert (streamed, finish) == (calls, "tool_calls")
+    assert content == choice.message.content
 
 
 @pytest.fixture
