@@ -11,6 +11,7 @@ from aiohttp import web
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
+from bastion.api.lora import LORA_KEY
 from bastion.api.protocol import (
     GenerateRequest,
     Prompt,
@@ -88,7 +89,7 @@ def render_prompt(client: EngineClient, messages: list[dict[str, str]],
 
 def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
-    model = check_model(body, request.app[MODEL_NAMES_KEY])
+    model = check_model(body, request.app[MODEL_NAMES_KEY], request.app[LORA_KEY].adapters)
     body = apply_generation_defaults(body, config.generation_defaults)
     check_unsupported(body)
     messages = parse_messages(body.get("messages"))
@@ -112,7 +113,8 @@ def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
                             "messages")
     return GenerateRequest(model, [prompt], [params], stream, include_usage, deadline,
-                           top_logprobs=top_logprobs if logprobs else None)
+                           top_logprobs=top_logprobs if logprobs else None,
+                           lora_request=request.app[LORA_KEY].get(model))
 
 
 def _token_info(entry: TokenLogprob) -> dict[str, Any]:

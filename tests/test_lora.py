@@ -1,6 +1,8 @@
-"""Multi-LoRA end to end on the CPU: greedy parity with transformers + PEFT (float32), batches
+"""Multi-LoRA offline on the CPU: greedy parity with transformers + PEFT (float32), batches
 mixing the base model and adapters, the scheduler's adapter limit and deferred unload, the
-prefix cache kept apart per adapter, clear errors for adapters that cannot run, and TP=3."""
+prefix cache kept apart per adapter, clear errors for adapters that cannot run, and TP=3.
+The embedded model's parity (all seven modules, rank 16) runs through the server in
+tests/test_lora_serve.py."""
 
 from __future__ import annotations
 
@@ -89,46 +91,6 @@ def test_lru_slots_serve_more_adapters_than_slots(tiny_qwen3) -> None:
         assert len(manager.host) == 1 and manager.slot_ids in ([1], [2])
     want = [expected["a1"][0], expected["a2"][1], expected[None][2]]
     assert tokens(got) == want * 2
-
-
-@pytest.fixture
-def one_thread():
-    # NOTE: on a busy 2-core host two OpenMP threads made each 135M forward ~4x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_embedded_model_peft_parity(tmp_path, one_thread) -> None:
-    """The embedded SmolLM2 in its Hugging Face form (the folder its GGUF converts to, whose
-    parity with transformers' own GGUF path test_model_parity.py checks) with a rank-16
-    adapter on all seven modules."""
-    from transformers import LlamaForCausalLM
-
-    from bastion.core.loader.embedded import embedded_gguf_path
-    from bastion.core.loader.gguf_loader import ensure_converted
-
-    hf = LlamaForCausalLM.from_pretrained(
-        ensure_converted(embedded_gguf_path()), dtype=torch.float32
-    ).eval()
-    peft, path = add_random_adapter(hf, "smol", str(tmp_path), 16, 32, ALL_MODULES, seed=3)
-    prompts = [[1, 504, 3458, 282, 4649, 314], [2683, 1656, 28, 1182]]
-    expected = [greedy(peft, p, 8) for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    lora = LoRARequest("smol", 7, path)
-    with LLM(
-        dtype="float32",
-        enable_lora=True,
-        max_lora_rank=16,
-        max_model_len=256,
-        kv_cache_memory_bytes=32 << 20,
-    ) as llm:
-        got = tokens(
-            llm.generate(prompts * 2, params, lora_request=[lora, lora, None, None], use_tqdm=False)
-        )
-    assert got[:2] == expected
-    assert got[2:] != expected  # the base model's tokens: the adapter changes the output
 
 
 def test_prefix_cache_keeps_adapters_apart(tiny_qwen3) -> None:
