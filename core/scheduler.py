@@ -437,9 +437,16 @@ class Scheduler:
                                self.step_id, self.iteration_tokens, self.num_blocks)
         if self.spec_stats.num_drafts:
             self.spec_stats.fill(stats)
+        if self.max_loras:
+            stats.running_lora_adapters = _lora_names(self.running)
+            stats.waiting_lora_adapters = _lora_names(self.waiting)
         self.kv.prefix_queries = self.kv.prefix_hits = self.num_preemptions = 0
         self.iteration_tokens = []
         return stats
+
+
+def _lora_names(requests: Iterable[Request]) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 class _SpecStats:

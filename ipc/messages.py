@@ -218,6 +218,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # LoRA: the adapters (by name) of the running and the waiting requests, sorted.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

@@ -16,8 +16,8 @@ from bastion.ops._dispatch import triton_launcher, use_triton
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """``out[t] = x[t] @ lora_a[token_slots[t]]^T`` (float32 ``[T, R]``); rows of slot -1 are
-    left as they are (expand skips them)."""
+    """``out[t] += x[t] @ lora_a[token_slots[t]]^T`` (float32 ``[T, R]``, zeroed by the
+    caller); rows of slot -1 are left as they are (expand skips them)."""
     if use_triton(x, lora_a, token_slots, out):
         launcher = triton_launcher("lora_shrink", "lora_shrink_triton")
         if launcher is not None:
@@ -51,7 +51,7 @@ def lora_shrink_ref(
     slots = token_slots.view(-1, 1)
     for slot in range(lora_a.shape[0]):
         part = x.float() @ lora_a[slot].float().T
-        out.copy_(torch.where(slots == slot, part, out))
+        out.copy_(torch.where(slots == slot, out + part, out))
 
 
 def lora_expand_ref(

@@ -242,6 +242,8 @@ class Server:
 
         metrics = app[METRICS_KEY]
         metrics.set_cache_config(self.config.cache)
+        if self.config.lora.enable_lora:
+            metrics.set_lora_config(self.config.lora.max_loras)
         client.on_stats = metrics.observe_scheduler_stats
         client.on_status = metrics.observe_statuses
         return app

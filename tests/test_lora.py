@@ -153,6 +153,8 @@ def test_scheduler_mixes_at_most_max_loras_adapters() -> None:
     # Adapter 3 waits (two adapters already in the batch); the base model and adapter 1 do not.
     assert list(out.num_scheduled_tokens) == ["a", "b", "d", "e"]
     assert [r.request_id for r in s.waiting] == ["c"]
+    stats = s.make_stats()  # what /metrics' lora_requests_info shows
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (["l1", "l2"], ["l3"])
     _finish_step(s, out)
     assert list(s.schedule().num_scheduled_tokens) == ["c"]
 

@@ -126,6 +126,9 @@ def test_models_list_the_adapters_with_the_base_as_parent(server, adapters) -> N
     assert models["static"]["parent"] == "SmolLM2-135M-Instruct"
     assert models["static"]["root"] == adapters["paths"]["static"]
     assert "parent" not in models["SmolLM2-135M-Instruct"]
+    _, metrics = server.get("/metrics")
+    assert ('bastion:lora_requests_info{max_lora="2",running_lora_adapters="",'
+            'waiting_lora_adapters=""}') in metrics.decode()
 
 
 def test_adapter_as_model_matches_peft(server, adapters) -> None:

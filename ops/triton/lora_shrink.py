@@ -1,4 +1,4 @@
-"""LoRA shrink: ``out[t] = x[t] @ A[slot(t)]^T`` for a batch mixing adapters (torch reference:
+"""LoRA shrink: ``out[t] += x[t] @ A[slot(t)]^T`` for a batch mixing adapters (torch reference:
 ``ops.lora.lora_shrink_ref``)."""
 
 from __future__ import annotations
@@ -24,11 +24,15 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    # One program per (slot, tile of rows, tile of rank columns); it computes only the rows of
-    # its slot, so a tile of one adapter's rows is a tensor-core GEMM, and a program whose tile
-    # holds no row of its slot exits after reading the slot ids.
-    slot = tl.program_id(0)
+    # One program per (slot and K split, tile of rows, tile of rank columns); it computes only
+    # the rows of its slot, so a tile of one adapter's rows is a tensor-core GEMM, and a program
+    # whose tile holds no row of its slot exits after reading the slot ids. The K splits add
+    # their partial products atomically: a decode batch has one row tile, and without the split
+    # one program would walk all of K (14336 for Llama-3-8B's down_proj) alone.
+    slot = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_slots = tl.load(slots_ptr + rows, mask=rows < num_tokens, other=-1)
@@ -39,7 +43,7 @@ def _lora_shrink_kernel(
     rows64 = rows.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * stride_as
-    for k0 in range(0, hidden, BLOCK_K):
+    for k0 in range(split * BLOCK_K, hidden, BLOCK_K * SPLIT_K):
         k = k0 + ks
         x = tl.load(
             x_ptr + rows64[:, None] * stride_xt + k[None, :],
@@ -52,18 +56,20 @@ def _lora_shrink_kernel(
             other=0.0,
         )
         acc += tl.dot(x, a.to(x.dtype))
-    tl.store(
-        out_ptr + rows64[:, None] * stride_ot + cols[None, :],
-        acc,
-        mask=is_mine[:, None] & (cols[None, :] < rank),
-    )
+    mask = is_mine[:, None] & (cols[None, :] < rank)
+    out_ptrs = out_ptr + rows64[:, None] * stride_ot + cols[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, tl.load(out_ptrs, mask=mask, other=0.0) + acc, mask=mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
 def lora_shrink_triton(
     x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor
 ) -> None:
     """``x`` [T, K], ``lora_a`` [S, R, K], ``token_slots`` int32 [T] (-1: no adapter), ``out``
-    float32 [T, R] (a column slice of a wider buffer is fine): written for rows with a slot."""
+    float32 [T, R] (a column slice of a wider buffer is fine): added into for rows with a slot
+    (so the caller zeroes it)."""
     if x.dim() != 2 or lora_a.dim() != 3 or out.dim() != 2 or token_slots.dim() != 1:
         raise ValueError(
             f"lora_shrink expects x [T, K], lora_a [S, R, K], out [T, R], slots [T]; "
@@ -92,7 +98,10 @@ def lora_shrink_triton(
         return
     block_n = max(16, triton.next_power_of_2(rank))
     block_m = 16 if num_tokens <= 16 else 64
-    grid = (num_slots, triton.cdiv(num_tokens, block_m), triton.cdiv(rank, block_n))
+    num_row_tiles = triton.cdiv(num_tokens, block_m)
+    # Few row tiles (decode): split K so that enough programs share the long reduction.
+    split_k = 1 if num_row_tiles >= 32 else max(1, min(32, hidden // 256))
+    grid = (num_slots * split_k, num_row_tiles, triton.cdiv(rank, block_n))
     _lora_shrink_kernel[grid](
         x,
         lora_a,
@@ -108,5 +117,6 @@ def lora_shrink_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=64,
+        SPLIT_K=split_k,
         num_warps=4,
     )
