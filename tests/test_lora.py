@@ -263,3 +263,44 @@ def test_tp3_with_an_adapter_equals_tp1(tmp_path) -> None:
                 )
             )
     assert runs[0] == runs[1]
+
+
+def test_lora_flags_parse_as_vllm_spells_them(tiny_qwen3) -> None:
+    from bastion.core.config import build_engine_config
+    from bastion.procs.cli import engine_kwargs, parse_args
+    from bastion.procs.serve import lora_modules_error
+
+    static = tiny_qwen3["loras"]["a1"].lora_path
+    args = parse_args(
+        [
+            "serve",
+            "--enable-lora",
+            "--max_loras",
+            "3",
+            "--max-cpu-loras",
+            "4",
+            "--max-lora-rank",
+            "64",
+            "--lora-modules",
+            f"a={static}",
+            json.dumps({"name": "b", "path": static}),
+        ]
+    )
+    lora = build_engine_config("serve", **engine_kwargs(args)).lora
+    assert (lora.enable_lora, lora.max_loras, lora.max_cpu_loras, lora.max_lora_rank) == (
+        True,
+        3,
+        4,
+        64,
+    )
+    assert lora_modules_error(lora.lora_modules) is None
+    assert lora_modules_error(("a=/nowhere",)) == (
+        "--lora-modules a=/nowhere: no adapter_config.json in /nowhere"
+    )
+    assert lora_modules_error(("a",)) == (
+        '--lora-modules takes name=path or {"name": ..., "path": ...}; got \'a\''
+    )
+    with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
+        build_engine_config("serve", lora_modules=(f"a={static}",))
+    with pytest.raises(ConfigError, match=r"max_cpu_loras \(1\) must be at least max_loras"):
+        build_engine_config("serve", enable_lora=True, max_loras=2, max_cpu_loras=1)
