@@ -2,8 +2,8 @@
 matmul.
 
 A fused layer (qkv_proj, gate_up_proj) holds several PEFT modules as slices of its output:
-their A matrices are stacked along the rank (one shrink for all of them) and each slice's B
-writes its own columns. Tensor parallelism shards the adapter like its base layer:
+their A matrices are stacked along the rank and their B matrices block-diagonally (slice i's
+output columns read rank block i), so one shrink and one expand serve the whole layer. Tensor parallelism shards the adapter like its base layer:
 
 - column-parallel (qkv, gate_up): A is replicated, B is split by output rows like W, so each
   rank's ``x A^T B_r^T`` is exactly its columns of the full delta;
@@ -65,7 +65,11 @@ class LoRASlots:
         self.lora_a = torch.zeros(
             num_slots, len(slices) * max_rank, input_size, dtype=dtype, device=device
         )
-        self.lora_b = torch.zeros(num_slots, output_size, max_rank, dtype=dtype, device=device)
+        # B is block-diagonal over the slices (slice i's columns read only rank block i), so one
+        # expand launch serves a fused layer; the zero blocks cost a few MB of reads a step.
+        self.lora_b = torch.zeros(
+            num_slots, output_size, len(slices) * max_rank, dtype=dtype, device=device
+        )
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter's (already sharded) ``A [r, in]``, ``B [out, r]`` per module into
@@ -79,7 +83,7 @@ class LoRASlots:
             a, b = weights[part.module]
             rank = a.shape[0]
             self.lora_a[slot, i * r : i * r + rank].copy_(a)
-            self.lora_b[slot, part.offset : part.offset + part.size, :rank].copy_(b)
+            self.lora_b[slot, part.offset : part.offset + part.size, i * r : i * r + rank].copy_(b)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -93,15 +97,7 @@ class LoRASlots:
         slots = self.state.token_slots[:num_tokens]
         h = torch.zeros(num_tokens, self.lora_a.shape[1], dtype=torch.float32, device=x.device)
         lora_shrink(x, self.lora_a, slots, h)
-        r = self.max_rank
-        for i, part in enumerate(self.slices):
-            lora_expand(
-                h[:, i * r : (i + 1) * r],
-                self.lora_b[:, part.offset : part.offset + part.size],
-                slots,
-                self.state.scales,
-                y[:, part.offset : part.offset + part.size],
-            )
+        lora_expand(h, self.lora_b, slots, self.state.scales, y)
 
 
 def lora_slices(layer: torch.nn.Module, modules: tuple[str, ...]) -> list[Slice]:
