@@ -138,8 +138,10 @@ def run_config(args: argparse.Namespace) -> dict:
     rows[name] = sum(lengths) / seconds
     batch = [[rng.randint(0, 10000) for _ in range(args.latency_input)] for _ in range(8)]
     latency = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.latency_output)
-    cases = [("latency b8, 1 adapter", loras[0]), ("latency b8, lora engine, no adapter", None)]
-    for label, lora in cases if loras else [("latency b8, base", None)]:
+    cases = [("latency b8, base", None)]
+    if loras:
+        cases = [("latency b8, 1 adapter", loras[0]), ("latency b8, lora engine, no adapter", None)]
+    for label, lora in cases:
         timed(batch, latency, lora)
         rows[label] = min(timed(batch, latency, lora) for _ in range(args.latency_iters))
     return rows
@@ -205,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
                 "--device",
                 args.device,
             ]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode:
+                sys.stderr.write(run.stderr[-4000:])
+                return run.returncode
+            out = run.stdout
             line = next(x for x in out.splitlines() if x.startswith("RESULT "))
             rows.update(json.loads(line[len("RESULT ") :]))
     base_tput, base_lat = rows["throughput, base"], rows["latency b8, base"]
