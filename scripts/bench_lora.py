@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--device",
                 args.device,
             ]
-            run = subprocess.run(cmd, capture_output=True, text=True)
+            run = subprocess.run(cmd, check=False, capture_output=True, text=True)
             if run.returncode:
                 sys.stderr.write(run.stderr[-4000:])
                 return run.returncode
