@@ -42,6 +42,8 @@ def _interpreted_kernels() -> tuple[object, object]:
 lora_shrink_triton, lora_expand_triton = _interpreted_kernels()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 NUM_SLOTS = 3
+# The interpreter computes tl.dot in float32; a GPU runs float32 dots in TF32.
+TOL = {"rtol": 2e-2, "atol": 2e-2} if HAS_CUDA else {"rtol": 1e-4, "atol": 1e-4}
 
 
 def _batch(num_tokens: int, rank: int, hidden: int, out: int, seed: int):
@@ -66,7 +68,7 @@ def test_shrink_then_expand_match_the_reference(rank: int, num_tokens: int) -> N
     h_tri = h_ref.clone()
     lora_shrink_ref(x, a, slots, h_ref)
     lora_shrink_triton(x, a, slots, h_tri)
-    torch.testing.assert_close(h_tri, h_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h_tri, h_ref, **TOL)
     none = slots < 0
     assert bool((h_tri[none] == 7.0).all())  # rows without an adapter are untouched
 
@@ -75,16 +77,16 @@ def test_shrink_then_expand_match_the_reference(rank: int, num_tokens: int) -> N
     # A column slice of a wider output, as a fused layer's q/k/v slices are.
     lora_expand_ref(h_ref, b, slots, scales, y_ref[:, 4 : 4 + out])
     lora_expand_triton(h_ref, b, slots, scales, y_tri[:, 4 : 4 + out])
-    torch.testing.assert_close(y_tri, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y_tri, y_ref, **TOL)
     assert torch.equal(y_tri[none], base[none])  # exactly the base output
     assert torch.equal(y_tri[:, :4], base[:, :4]) and torch.equal(
         y_tri[:, 4 + out :], base[:, 4 + out :]
     )
     # And each row is its own adapter's delta.
     row = int(torch.nonzero(slots == 1)[0])
-    torch.testing.assert_close(h_tri[row], 7.0 + x[row] @ a[1].T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h_tri[row], 7.0 + x[row] @ a[1].T, **TOL)
     expected = base[row, 4 : 4 + out] + scales[1] * h_ref[row] @ b[1].T
-    torch.testing.assert_close(y_tri[row, 4 : 4 + out], expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y_tri[row, 4 : 4 + out], expected, **TOL)
 
 
 def test_launchers_check_shapes_and_dtypes() -> None:
