@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from bastion.ipc.messages import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from bastion.ipc.messages import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

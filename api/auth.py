@@ -1,4 +1,5 @@
-"""Bearer-token auth: ``api_key`` on ``/v1/*``, ``admin_key`` on ``/fault_tolerance/*``.
+"""Bearer-token auth: ``api_key`` on ``/v1/*``, ``admin_key`` on ``/fault_tolerance/*`` and
+the LoRA load/unload routes.
 
 Without an admin key the control routes answer loopback clients only: they restart processes,
 and a server bound to a public address must not hand that to anyone who can reach its port.
@@ -14,9 +15,13 @@ from aiohttp import web
 from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.errors import ApiError, Handler
 
+# Routes that change what the server runs (vLLM guards its LoRA routes the same way).
+_CONTROL_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
 
 def is_control_path(path: str) -> bool:
-    return path == "/fault_tolerance" or path.startswith("/fault_tolerance/")
+    return (path == "/fault_tolerance" or path.startswith("/fault_tolerance/")
+            or path in _CONTROL_ROUTES)
 
 
 def required_key(config: ApiConfig, path: str) -> tuple[str | None, str]:
@@ -54,7 +59,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     config = request.app[CONFIG_KEY]
     if (is_control_path(request.path) and config.admin_key is None
             and not is_loopback(request.remote)):
-        raise ApiError(403, "The fault-tolerance routes answer only loopback clients while "
+        raise ApiError(403, "The control routes (/fault_tolerance/*, LoRA loading) answer only "
+                       "loopback clients while "
                        "no admin key is set; start the server with --admin-key (or "
                        "BASTION_ADMIN_KEY) to use them from elsewhere",
                        code="admin_key_required")

@@ -14,6 +14,7 @@ from bastion.api.chat_output import ChoiceOutput, OutputSpec, check_constraint_w
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
+from bastion.api.lora import LORA_KEY
 from bastion.api.protocol import (
     GenerateRequest,
     Prompt,
@@ -116,7 +117,7 @@ def render_prompt(client: EngineClient, messages: list[dict[str, Any]],
 
 def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
-    model = check_model(body, request.app[MODEL_NAMES_KEY])
+    model = check_model(body, request.app[MODEL_NAMES_KEY], request.app[LORA_KEY].adapters)
     body = apply_generation_defaults(body, config.generation_defaults)
     check_unsupported(body)
     messages = parse_messages(body.get("messages"))
@@ -149,7 +150,8 @@ def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
         chat_output = OutputSpec(config, tools, prompt.text)
     return GenerateRequest(model, [prompt], [params], stream, include_usage, deadline,
                            top_logprobs=top_logprobs if logprobs else None,
-                           chat_output=chat_output)
+                           chat_output=chat_output,
+                           lora_request=request.app[LORA_KEY].get(model))
 
 
 def _token_info(entry: TokenLogprob) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from aiohttp import web
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
+from bastion.api.lora import LORA_KEY
 from bastion.api.protocol import (
     GenerateRequest,
     Prompt,
@@ -79,7 +80,7 @@ def _is_token_id(value: object) -> bool:
 
 def parse_completion_request(request: web.Request, body: dict) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
-    model = check_model(body, request.app[MODEL_NAMES_KEY])
+    model = check_model(body, request.app[MODEL_NAMES_KEY], request.app[LORA_KEY].adapters)
     body = apply_generation_defaults(body, config.generation_defaults)
     check_unsupported(body)
     if body.get("prompt") is None:
@@ -103,7 +104,8 @@ def parse_completion_request(request: web.Request, body: dict) -> GenerateReques
     base = base_sampling_params(body, config, logprobs, max_tokens)
     params = [fit_to_context(base, len(p.token_ids), client.max_model_len, max_tokens, "prompt",
                              default) for p in prompts]
-    return GenerateRequest(model, prompts, params, stream, include_usage, deadline, echo)
+    return GenerateRequest(model, prompts, params, stream, include_usage, deadline, echo,
+                           lora_request=request.app[LORA_KEY].get(model))
 
 
 def completion_logprobs(entries: list[dict[int, TokenLogprob]], text_offset: int

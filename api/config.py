@@ -39,6 +39,7 @@ class ApiConfig:
     max_stop_len: int = 256
     max_stop_token_ids: int = 1024
     enable_fault_injection: bool = False
+    enable_lora: bool = False  # /v1/load_lora_adapter and adapters as ``model`` names
     # HTTP hygiene (README: "Connections"); 0 disables a timeout.
     http_header_timeout_s: float = 10.0
     http_idle_timeout_s: float = 60.0

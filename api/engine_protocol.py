@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from bastion.core.output_processor import SeqDelta
-from bastion.ipc.messages import EngineStatus, SamplingParams, SchedulerStats
+from bastion.ipc.messages import EngineStatus, LoRARequest, SamplingParams, SchedulerStats
 
 
 class RequestStream(Protocol):
@@ -30,7 +30,12 @@ class EngineClient(Protocol):
     tokenizer: object  # a transformers tokenizer (encode, decode, apply_chat_template)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 deadline: float | None = None) -> RequestStream: ...
+                 deadline: float | None = None,
+                 lora_request: LoRARequest | None = None) -> RequestStream: ...
+
+    async def call_utility(self, method: str, *args: object) -> list[object]:
+        """Run an engine utility (``add_lora``, ``remove_lora``) on every engine; their
+        results in engine order. A failure raises ``ValueError`` with the engine's message."""
 
     def is_ready(self) -> bool:
         """True when every engine needed to serve is healthy."""

@@ -154,6 +154,12 @@ class ApiMetrics:
                                        "Information of the KV cache config (value 1).",
                                        _CACHE_INFO_LABELS, registry=self.registry)
         self._cache_info: dict[str, str] | None = None
+        # vLLM's: which adapters run and wait (comma-joined names), valued at the scrape time.
+        self.lora_requests_info = Gauge(f"{prefix}:lora_requests_info",
+                                        "Running stats on LoRA requests.",
+                                        ("max_lora", "running_lora_adapters",
+                                         "waiting_lora_adapters"), registry=self.registry)
+        self._max_loras: int | None = None
         self.engine_state = series(Gauge, "engine_state",
                                    "Engine state: 0 starting, 1 healthy, 2 unhealthy, "
                                    "3 recovering, 4 dead.", ("engine",))
@@ -229,6 +235,13 @@ class ApiMetrics:
             self.cache_config_info.clear()
             self.cache_config_info.labels(**self._cache_info,
                                           num_gpu_blocks=str(num_blocks)).set(1)
+        if self._max_loras is not None:
+            self.lora_requests_info.clear()
+            self.lora_requests_info.labels(
+                str(self._max_loras),
+                ",".join(sorted({n for s in all_stats for n in s.running_lora_adapters})),
+                ",".join(sorted({n for s in all_stats for n in s.waiting_lora_adapters})),
+            ).set(time.time())
         table_sizes = getattr(self.client, "table_sizes", None)  # optional in EngineClient
         if table_sizes is not None:
             for table, size in table_sizes().items():
@@ -241,6 +254,10 @@ class ApiMetrics:
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
             "num_gpu_blocks_override": str(cache.num_gpu_blocks_override)}
+
+    def set_lora_config(self, max_loras: int) -> None:
+        """Publish ``lora_requests_info`` (LoRA is enabled)."""
+        self._max_loras = max_loras
 
     def render(self) -> bytes:
         self.refresh()

@@ -89,7 +89,11 @@ _SCHEMAS: dict[str, Any] = {
     "ModelList": {"type": "object", "properties": {"object": _STR, "data": {
         "type": "array", "items": {"type": "object", "properties": {
             "id": _STR, "object": _STR, "created": _INT, "owned_by": _STR,
-            "max_model_len": _INT}}}}},
+            "max_model_len": _INT, "root": _STR, "parent": _STR}}}}},
+    "LoadLoRAAdapter": {"type": "object", "required": ["lora_name", "lora_path"], "properties": {
+        "lora_name": _STR, "lora_path": _STR}},
+    "UnloadLoRAAdapter": {"type": "object", "required": ["lora_name"], "properties": {
+        "lora_name": _STR}},
     # NOTE: strict, as the server decodes them (api/fault_tolerance.py): no other fields, and
     # params only as each instruction defines them (none so far).
     "FaultToleranceApply": {"type": "object", "required": ["instruction"],
@@ -164,6 +168,10 @@ def openapi_document(config: ApiConfig | None = None, model_name: str | None = N
                                                _ref("EngineStatusList"))},
         "/fault_tolerance/inject": {"post": _op("Inject a fault (--enable-fault-injection)",
                                                 {"type": "object"}, "FaultInjection")},
+        "/v1/load_lora_adapter": {"post": _op("Load a LoRA adapter (--enable-lora, admin key)",
+                                              _STR, "LoadLoRAAdapter", "text/plain")},
+        "/v1/unload_lora_adapter": {"post": _op("Unload a LoRA adapter (admin key)", _STR,
+                                                "UnloadLoRAAdapter", "text/plain")},
     }
     return {"openapi": "3.0.3",
             "info": {"title": "bastion", "version": __version__,

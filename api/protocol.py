@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.connections import with_idle_timeout
 from bastion.api.errors import ApiError, bad_request
 from bastion.core.stop_matcher import stop_automaton
-from bastion.ipc.messages import InvalidParam, SamplingParams
+from bastion.ipc.messages import InvalidParam, LoRARequest, SamplingParams
 
 _MAX_INT = 2**63  # NOTE: ints cross to the engine as msgpack int64; larger ones cannot travel
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -44,6 +45,7 @@ class GenerateRequest:
     echo: bool = False
     top_logprobs: int | None = None  # chat only: OpenAI's top-N, separate from the sampled one
     chat_output: Any = None  # chat only: an api.chat_output.OutputSpec (tools, reasoning)
+    lora_request: LoRARequest | None = None  # ``model`` named a LoRA adapter
 
     @property
     def n(self) -> int:
@@ -202,9 +204,13 @@ _UNSUPPORTED = {
 }
 
 
-def check_model(body: dict, served_model_names: tuple[str, ...]) -> str:
-    """The request's ``model`` must be one of the served names; answers carry the first."""
+def check_model(body: dict, served_model_names: tuple[str, ...],
+                adapters: Collection[str] = ()) -> str:
+    """The request's ``model`` must be one of the served names (answers carry the first) or a
+    loaded LoRA adapter's name (answers carry it)."""
     model = get_str(body, "model", served_model_names[0])
+    if model in adapters:
+        return model
     if model not in served_model_names:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                        f"`{served_model_names[0]}`", "model", "model_not_found")

@@ -35,6 +35,7 @@ from bastion.api.fault_tolerance import (
     add_fault_tolerance_routes,
     set_fault_tolerance_handler,
 )
+from bastion.api.lora import add_lora_routes, model_entries
 from bastion.api.metrics import CONTENT_TYPE, ApiMetrics
 from bastion.api.openapi import openapi_document
 
@@ -43,11 +44,12 @@ _STARTED_KEY = web.AppKey("bastion_started", int)
 
 async def list_models(request: web.Request) -> web.Response:
     root = request.app[MODEL_NAME_KEY]
+    created = request.app[_STARTED_KEY]
     return web.json_response({"object": "list", "data": [{
-        "id": name, "object": "model", "created": request.app[_STARTED_KEY],
+        "id": name, "object": "model", "created": created,
         "owned_by": "bastion", "root": root,
         "max_model_len": request.app[CLIENT_KEY].max_model_len}
-        for name in request.app[MODEL_NAMES_KEY]]})
+        for name in request.app[MODEL_NAMES_KEY]] + model_entries(request.app, created, root)})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -103,6 +105,7 @@ def build_app(client: EngineClient, config: ApiConfig,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     add_fault_tolerance_routes(app)
+    add_lora_routes(app, config.enable_lora)
     return app
 
 

@@ -167,8 +167,10 @@ async def submit(client: EngineClient, metrics: ApiMetrics, request_id: str, mod
     for p, (prompt, params) in enumerate(zip(req.prompts, req.params)):
         engine_request_id = request_id if len(req.prompts) == 1 else f"{request_id}-{p}"
         try:
+            # The keyword only for adapters: engine clients without LoRA keep their signature.
+            lora = {} if req.lora_request is None else {"lora_request": req.lora_request}
             streams.append(client.generate(engine_request_id, prompt.token_ids, params,
-                                           req.deadline))
+                                           req.deadline, **lora))
         except Exception as exc:
             logger.exception("engine client refused request %s", engine_request_id)
             for stream in streams:

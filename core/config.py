@@ -199,6 +199,40 @@ class FaultToleranceConfig:
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (vLLM's flags). ``max_loras``: adapters one batch may mix (device slots);
+    ``max_lora_rank``: the largest rank an adapter may have (slots are this wide);
+    ``max_cpu_loras``: adapters kept in host memory (None: ``max_loras``); ``lora_modules``:
+    adapters to load at start-up, each ``name=path`` or vLLM's JSON
+    ``{"name": ..., "path": ...}`` (served by the API under ``name``)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be at least 1; got {self.max_loras}")
+        if self.max_lora_rank not in _LORA_RANKS:
+            raise ConfigError(f"max_lora_rank must be one of {', '.join(map(str, _LORA_RANKS))}; "
+                              f"got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                              f"({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
+
+
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
               "model"}
 
@@ -279,8 +313,12 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.speculative is not None:
+            raise ConfigError("LoRA adapters and speculative decoding cannot be combined yet; "
+                              "drop --enable-lora or --speculative-config")
         if self.speculative is None:
             return
         par = self.parallel
@@ -340,7 +378,8 @@ def build_engine_config(entry_point: str = "llm", **kwargs: Any) -> EngineConfig
 
     ``entry_point`` (``llm`` or ``serve``) picks the default ``max_num_batched_tokens``."""
     classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-               "parallel": ParallelConfig, "fault_tolerance": FaultToleranceConfig}
+               "parallel": ParallelConfig, "fault_tolerance": FaultToleranceConfig,
+               "lora": LoRAConfig}
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
     parts: dict[str, dict[str, Any]] = {part: {} for part in classes}
     owners = {f.name: part for part, cls in classes.items() for f in dataclasses.fields(cls)}
@@ -348,6 +387,8 @@ def build_engine_config(entry_point: str = "llm", **kwargs: Any) -> EngineConfig
         if key not in owners:
             raise ConfigError(f"unknown engine option {key!r}")
         parts[owners[key]][key] = value
+    if isinstance(parts["lora"].get("lora_modules"), list):
+        parts["lora"]["lora_modules"] = tuple(parts["lora"]["lora_modules"])
     config = EngineConfig(**{part: classes[part](**vals) for part, vals in parts.items()},
                           speculative=speculative)
     if config.scheduler.max_num_batched_tokens is None:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 from bastion.core.config import ConfigError, EngineConfig
 from bastion.core.executor import Executor, StepResult
+from bastion.core.loader import resolve_model
+from bastion.core.lora.peft import load_peft_adapter
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
 from bastion.core.spec_decode.metrics import SpecDecodingLogger
@@ -20,6 +22,7 @@ from bastion.ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    LoRARequest,
     SchedulerOutput,
 )
 
@@ -70,7 +73,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len,
                                    num_spec,
                                    num_spec if spec is not None and spec.method == "draft_model"
-                                   else 0)
+                                   else 0,
+                                   config.lora.max_loras if config.lora.enable_lora else 0)
+        self.loras: dict[int, LoRARequest] = {}  # loaded adapters by id
         par = config.parallel
         self.is_coupled = par.data_parallel_size > 1 and par.enable_expert_parallel
         # NOTE: a coupled group's engines must run the same number of forwards (their expert
@@ -90,6 +95,38 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_request(request))
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Check an adapter against the model (ValueError naming what is wrong) and register
+        it; workers read it with the first request that uses it. False: already loaded."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            raise ValueError("LoRA is not enabled; start with --enable-lora")
+        if request.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be positive; got {request.lora_int_id}")
+        if request.lora_int_id in self.loras:
+            return False
+        hf_config = resolve_model(self.config.model).hf_config
+        # Experts take no adapter; on an MoE model only the attention modules may be adapted.
+        mlp_layers = set() if getattr(hf_config, "num_experts", None) else None
+        load_peft_adapter(request.lora_path, hf_config, lora.max_lora_rank, mlp_layers)
+        self.loras[request.lora_int_id] = request
+        self.scheduler.removing_loras.discard(request.lora_int_id)
+        logger.info("LoRA adapter %s (id %d) loaded from %s", request.lora_name,
+                    request.lora_int_id, request.lora_path)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; requests already accepted with it finish first."""
+        request = self.loras.pop(lora_id, None)
+        if request is None:
+            return False
+        self.scheduler.remove_lora(lora_id)
+        logger.info("LoRA adapter %s (id %d) unloaded", request.lora_name, lora_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        return sorted(self.loras)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)

@@ -54,10 +54,13 @@ class KVCacheManager:
     def _update_hashes(self, request: Request) -> None:
         num_full = request.num_tokens // self.block_size
         hashes = request.block_hashes
+        # NOTE: the adapter changes every layer's keys and values, so it is part of each
+        # block's hash: blocks are never shared between adapters (or with the base model).
+        extra_keys = (request.lora_id,) if request.lora_id else ()
         while len(hashes) < num_full:
             i = len(hashes)
             tokens = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra_keys))
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of full blocks. At least one token is always left to compute,

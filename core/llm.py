@@ -22,7 +22,7 @@ from bastion.core.loader import (
 )
 from bastion.core.output_processor import OutputProcessor, fan_out
 from bastion.core.outputs import RequestOutput
-from bastion.ipc.messages import SamplingParams
+from bastion.ipc.messages import LoRARequest, SamplingParams
 from bastion.procs.logs import console_logging
 
 PromptType = str | list[int] | dict[str, Any]
@@ -110,10 +110,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``) as one
         continuously batched workload; results come back in prompt order. ``use_tqdm``: a
-        progress bar of finished prompts on stderr."""
+        progress bar of finished prompts on stderr. ``lora_request``: the adapter of every
+        prompt, or one per prompt (None: the base model); loaded on first use."""
         if self.engine is None:
             raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -122,14 +125,21 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = (list(lora_request) if isinstance(lora_request, Sequence)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError("give one LoRARequest, or one per prompt")
+        for lora in {r.lora_int_id: r for r in loras if r is not None}.values():
+            self.engine.add_lora(lora)
         processor = OutputProcessor(self.tokenizer)
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p, lora in zip(prompts, params_list, loras):
             text, token_ids = self._tokenize(prompt)
             parent = str(next(self._counter))
             order.append(parent)
-            children = fan_out(parent, token_ids, p, self.eos_token_id, time.time())
+            children = fan_out(parent, token_ids, p, self.eos_token_id, time.time(),
+                               lora_request=lora)
             choices = [processor.add(req, parent, i) for i, req in enumerate(children)]
             results[parent] = RequestOutput(parent, text, token_ids, choices)
             for req in children:

@@ -11,16 +11,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from bastion.core.config import EngineConfig
 from bastion.core.cuda_graphs import CUDAGraphRunner, DecodeInputs, default_capture_sizes
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
 from bastion.core.loader import get_max_model_len, load_model, resolve_model
+from bastion.core.lora.manager import LoRAManager
 from bastion.core.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_tokens
 from bastion.core.spec_decode.draft_model import DraftModelProposer
 from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
-from bastion.ipc.messages import Logprobs, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from bastion.ipc.messages import (
+    Logprobs,
+    LoRARequest,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 from bastion.ops.communicator import get_tp_group
 
 logger = logging.getLogger(__name__)
@@ -53,6 +61,7 @@ class CachedRequestState:
     pending_row: int = 0
     # Draft model: the distribution each of its current drafts was drawn from (None: greedy).
     draft_probs: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -180,6 +189,7 @@ class ModelRunner:
                                        spec.prompt_lookup_max)
                          if spec is not None and spec.method == "ngram" else None)
         self.drafter: DraftModelProposer | None = None  # built in load_model
+        self.lora_manager: LoRAManager | None = None  # built in load_model with --enable-lora
 
     # ------------------------------------------------------------------------- set-up
 
@@ -193,7 +203,32 @@ class ModelRunner:
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             self.drafter = DraftModelProposer(self.config, self.vocab_size)
+        if self.config.lora.enable_lora:
+            sched = self.config.scheduler
+            self.lora_manager = LoRAManager(
+                self.model, self.resolved.hf_config, self.config.lora,
+                sched.max_num_batched_tokens + sched.max_num_seqs, self.dtype, self.device)
         logger.info("model loaded in %.2f s", time.perf_counter() - start)
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Read and check an adapter into the host cache (ValueError naming what is wrong)."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled; start with --enable-lora")
+        return self.lora_manager.add(request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove(lora_id)
+
+    def _set_lora_rows(self, states: list[CachedRequestState], counts: list[int],
+                       num_rows: int) -> None:
+        """Each token row's adapter slot for this step (rows past the requests' are padding)."""
+        if self.lora_manager is None:
+            return
+        slots = self.lora_manager.activate([s.lora_request for s in states])
+        rows = np.full(num_rows, -1, dtype=np.int32)
+        per_token = np.repeat(np.asarray(slots, dtype=np.int32), counts)
+        rows[:len(per_token)] = per_token
+        self.lora_manager.set_token_slots(rows)
 
     def kv_cache_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
@@ -279,6 +314,9 @@ class ModelRunner:
         captured up to ``_MAX_VERIFY_GRAPH_TOKENS`` tokens, as vLLM bounds its capture sizes).
         A verify step's padding tokens sit past its real ones, up to ``query_len - 1``
         positions past max_model_len: the block table has room for them."""
+        if self.lora_manager is not None:
+            # Captured with the adapter kernels in: a replay serves any mix of slots.
+            self.lora_manager.state.is_active = True
         sizes = default_capture_sizes(self.config.scheduler.max_num_seqs)
         if query_len > 1:
             sizes = [s for s in sizes if s * query_len <= _MAX_VERIFY_GRAPH_TOKENS] or [1]
@@ -316,6 +354,8 @@ class ModelRunner:
     def _apply_delta(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+        for lora_id in sched.removed_lora_ids:
+            self.remove_lora(lora_id)
         for new in sched.new_requests:
             generator = None
             if new.sampling_params.seed is not None:
@@ -325,7 +365,8 @@ class ModelRunner:
                 new.num_computed_tokens, list(new.output_token_ids),
                 new.prompt_token_ids + new.output_token_ids, generator, new.eos_token_id,
                 is_plain_greedy=_is_plain_greedy(new.sampling_params),
-                needs_output_ids=_needs_output_ids(new.sampling_params))
+                needs_output_ids=_needs_output_ids(new.sampling_params),
+                lora_request=new.lora_request)
             state.append_blocks(new.block_ids)
             self.requests[new.request_id] = state
         for cached in sched.cached_requests:
@@ -357,9 +398,14 @@ class ModelRunner:
         decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
         if decode is not None:
             states, inputs = decode
+            self._set_lora_rows(states, [1] * len(states),
+                                self.graph_runner.bucket(max(len(states), num_rows)))
             logits = self.model.compute_logits(self.graph_runner.run(inputs, prev, num_rows))
         else:
             batch = self._prepare_inputs(sched, prev, num_rows)
+            self._set_lora_rows([self.requests[rid] for rid in sched.num_scheduled_tokens],
+                                list(sched.num_scheduled_tokens.values()),
+                                batch.input_ids.shape[0])
             with set_forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
             if not batch.sample_ids:
@@ -504,6 +550,9 @@ class ModelRunner:
         the MoE layers' expert-parallel collectives while other ranks have work. One row is a
         1-token sequence, the rest belong to none."""
         num_rows = max(num_rows, 1)
+        if self.lora_manager is not None:
+            self.lora_manager.set_token_slots(np.full(
+                self.graph_runner.bucket(num_rows) if replay else num_rows, -1, dtype=np.int32))
         if replay:
             empty = np.zeros(0, dtype=np.int64)
             self.graph_runner.run(DecodeInputs(empty, empty, empty,

@@ -12,7 +12,7 @@ import msgspec
 
 from bastion.core.detokenizer import IncrementalDetokenizer
 from bastion.core.outputs import CompletionOutput, TokenLogprob
-from bastion.ipc.messages import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from bastion.ipc.messages import EngineCoreOutput, EngineCoreRequest, LoRARequest, SamplingParams
 
 
 @dataclass
@@ -49,7 +49,8 @@ def child_id(parent_id: str, index: int) -> str:
 
 def fan_out(parent_id: str, prompt_token_ids: list[int], params: SamplingParams,
             eos_token_id: int | None, arrival_time: float, deadline: float | None = None,
-            priority: int = 0) -> list[EngineCoreRequest]:
+            priority: int = 0, lora_request: LoRARequest | None = None
+            ) -> list[EngineCoreRequest]:
     """One engine request per choice; seeded requests get ``seed + i`` so choices differ."""
     requests = []
     for i in range(params.n):
@@ -58,7 +59,8 @@ def fan_out(parent_id: str, prompt_token_ids: list[int], params: SamplingParams,
             seed = None if params.seed is None else params.seed + i
             child = msgspec.structs.replace(params, n=1, seed=seed)
         requests.append(EngineCoreRequest(child_id(parent_id, i), prompt_token_ids, child,
-                                          arrival_time, deadline, priority, eos_token_id))
+                                          arrival_time, deadline, priority, eos_token_id,
+                                          lora_request=lora_request))
     return requests
 
 

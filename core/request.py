@@ -5,7 +5,13 @@ from __future__ import annotations
 import enum
 import time
 
-from bastion.ipc.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
+from bastion.ipc.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+    LoRARequest,
+    SamplingParams,
+)
 
 
 class RequestStatus(enum.IntEnum):
@@ -24,7 +30,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: int | None = None, arrival_time: float = 0.0,
-                 deadline: float | None = None, priority: int = 0) -> None:
+                 deadline: float | None = None, priority: int = 0,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = params
@@ -32,6 +39,7 @@ class Request:
         self.arrival_time = arrival_time
         self.deadline = deadline
         self.priority = priority
+        self.lora_request = lora_request
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -60,10 +68,16 @@ class Request:
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:
         request = cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                      req.eos_token_id, req.arrival_time, req.deadline, req.priority)
+                      req.eos_token_id, req.arrival_time, req.deadline, req.priority,
+                      req.lora_request)
         for token_id in req.resumed_output_token_ids:
             request.append_output_token(token_id)
         return request
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

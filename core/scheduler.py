@@ -31,7 +31,7 @@ class Scheduler:
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, num_spec_tokens: int = 0,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, max_loras: int = 0) -> None:
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -56,6 +56,9 @@ class Scheduler:
         # Draft model: slots past a sampling row's tokens where the draft writes the KV of the
         # tokens it proposes (scratch, rewritten by the next step).
         self.num_lookahead_tokens = num_lookahead_tokens
+        # Distinct adapters one batch may mix (the workers' device slots); 0: LoRA is off.
+        self.max_loras = max_loras
+        self.removing_loras: set[int] = set()  # unloaded; freed once their requests are done
 
     # ---------------------------------------------------------------- admission and removal
 
@@ -80,6 +83,9 @@ class Scheduler:
     def _admission_error(self, request: Request) -> str | None:
         if request.request_id in self.requests:
             return f"request id {request.request_id!r} is already in use"
+        if request.lora_request is not None and not self.max_loras:
+            return (f"the request names LoRA adapter {request.lora_request.lora_name!r} but "
+                    "LoRA is not enabled (--enable-lora)")
         if request.num_prompt_tokens == 0:
             return "the prompt is empty"
         if request.num_tokens >= self.max_model_len:
@@ -177,11 +183,16 @@ class Scheduler:
             index += 1
 
         # NOTE: no admissions in a step that preempted: the pool is too tight to grow.
+        loras = {r.lora_id for r in self.running if r.lora_id}
+        skipped: list[Request] = []  # waiting behind an adapter this batch has no slot for
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: re-admit it once the token is known
+            if request.lora_id and request.lora_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - computed.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -194,6 +205,8 @@ class Scheduler:
                          or self.kv.allocate_slots(request, num_new, computed) is None)):
                 break
             self.waiting.popleft()
+            if request.lora_id:
+                loras.add(request.lora_id)
             request.num_freed_blocks = 0  # the workers get its whole block table anew
             request.num_computed_tokens += computed.num_tokens
             if request.num_cached_tokens < 0:
@@ -205,10 +218,11 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
                 self.kv.block_ids(request.request_id), request.num_computed_tokens,
-                list(request.output_token_ids), request.eos_token_id))
+                list(request.output_token_ids), request.eos_token_id, request.lora_request))
             self.known_by_workers.add(request.request_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))  # they keep their place in the queue
 
         scheduled = {}
         for request_id, n in num_scheduled.items():
@@ -224,10 +238,23 @@ class Scheduler:
             self.iteration_tokens.append(sum(num_scheduled.values()))
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                               sum(num_scheduled.values()), self.finished_ids, self.step_id)
+        if self.removing_loras:
+            out.removed_lora_ids = self._take_removable_loras()
         if spec_tokens:
             out.scheduled_spec_decode_tokens = spec_tokens
         self.finished_ids = []
         return out
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Unload an adapter once none of its accepted requests is left (they finish first);
+        the workers hear of it in the step after."""
+        self.removing_loras.add(lora_id)
+
+    def _take_removable_loras(self) -> list[int]:
+        in_use = {r.lora_id for r in self.requests.values()}
+        done = sorted(self.removing_loras - in_use)
+        self.removing_loras.difference_update(done)
+        return done
 
     def _allocate_spec(self, request: Request, num_new: int,
                        budget: int) -> tuple[list[int] | None, list[int]]:
@@ -410,9 +437,16 @@ class Scheduler:
                                self.step_id, self.iteration_tokens, self.num_blocks)
         if self.spec_stats.num_drafts:
             self.spec_stats.fill(stats)
+        if self.max_loras:
+            stats.running_lora_adapters = _lora_names(self.running)
+            stats.waiting_lora_adapters = _lora_names(self.waiting)
         self.kv.prefix_queries = self.kv.prefix_hits = self.num_preemptions = 0
         self.iteration_tokens = []
         return stats
+
+
+def _lora_names(requests: Iterable[Request]) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 class _SpecStats:

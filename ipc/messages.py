@@ -99,6 +99,19 @@ class SamplingParams(msgspec.Struct, **_WIRE):
         return self.temperature < 1e-5
 
 
+class LoRARequest(msgspec.Struct, **_WIRE):
+    """An adapter to run a request with, as vLLM's ``LoRARequest(name, id, path)``.
+
+    ``lora_int_id`` (positive) identifies the adapter everywhere (slots, prefix-cache hashes);
+    ``lora_path`` is a PEFT folder (adapter_config.json + adapter_model.safetensors) that every
+    worker can read, so a worker that has not seen the adapter loads it on first use.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class InvalidParam(ValueError):
     """A client-caused error that names the offending parameter."""
 
@@ -143,6 +156,7 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     eos_token_id: int | None = None
     # Tokens already produced (and streamed) before a fault: the request resumes after them.
     resumed_output_token_ids: list[int] = []
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class AbortRequests(msgspec.Struct, **_WIRE):
@@ -204,6 +218,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # LoRA: the adapters (by name) of the running and the waiting requests, sorted.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):
@@ -252,6 +269,7 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     num_computed_tokens: int
     output_token_ids: list[int] = []  # tokens already generated (resumed after preemption/fault)
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -284,6 +302,8 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # Speculative decoding: per request, the draft tokens fed after its last token this step
     # (counted in ``num_scheduled_tokens``); the step verifies them and samples one more.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # LoRA adapters unloaded (once no request of theirs was left): workers free their slots.
+    removed_lora_ids: list[int] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):

@@ -24,6 +24,7 @@ from bastion.core.config import (
     CacheConfig,
     ConfigError,
     FaultToleranceConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -32,7 +33,7 @@ from bastion.core.config import (
 logger = logging.getLogger("bastion.cli")
 
 _ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig,
-                   FaultToleranceConfig)
+                   FaultToleranceConfig, LoRAConfig)
 _SKIP = {"hf_overrides", "device"}
 # vLLM's other spellings of bastion's flags.
 _ALIASES = {"policy": ("--scheduling-policy",), "tensor_parallel_size": ("-tp",),

@@ -35,6 +35,7 @@ from bastion.ipc.messages import (
     EngineCoreRequest,
     Failure,
     HandshakeInfo,
+    LoRARequest,
     Ready,
     UtilityCall,
     UtilityResult,
@@ -194,7 +195,11 @@ class EngineProc:
         methods = {"reset_prefix_cache": kv.pool.reset_prefix_cache,
                    "num_free_blocks": lambda: kv.num_free_blocks,
                    "num_blocks": lambda: self.core.num_blocks,
-                   "ping": lambda: "pong"}
+                   "ping": lambda: "pong",
+                   "add_lora": lambda name, lora_id, path: self.core.add_lora(
+                       LoRARequest(name, lora_id, path)),
+                   "remove_lora": self.core.remove_lora,
+                   "list_loras": self.core.list_loras}
         if call.method not in methods:
             return UtilityResult(call.call_id, failure=f"unknown utility {call.method!r}")
         try:

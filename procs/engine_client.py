@@ -13,6 +13,7 @@ id, so a stale output of the old epoch can never be mistaken for a new one.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -35,9 +36,11 @@ from bastion.ipc.messages import (
     EngineStatus,
     FinishReason,
     HandshakeInfo,
+    LoRARequest,
     PeerMessage,
     SamplingParams,
     SchedulerStats,
+    UtilityCall,
 )
 from bastion.procs.lifecycle import Child, HandshakeServer, encode_config, ipc_address, spawn_child
 
@@ -124,6 +127,8 @@ class AsyncEngineClient:
         self.on_status = None  # called with the statuses on every status report (metrics)
         self.sentinels: dict[int, Child] = {}
         self._tasks: list[asyncio.Task] = []
+        self._call_ids = itertools.count(1)
+        self._calls: dict[int, asyncio.Future] = {}  # utility calls awaiting their results
 
     # ------------------------------------------------------------------------------ start-up
 
@@ -176,12 +181,13 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------------------ requests
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 deadline: float | None = None) -> _Stream:
+                 deadline: float | None = None,
+                 lora_request: LoRARequest | None = None) -> _Stream:
         if self.fatal is not None:
             raise RuntimeError(f"the engines are dead: {self.fatal}")
         stream = _Stream(self, request_id, len(prompt_token_ids))
         for i, req in enumerate(fan_out(request_id, prompt_token_ids, params, self.eos_token_id,
-                                        time.time(), deadline)):
+                                        time.time(), deadline, lora_request=lora_request)):
             self.processor.add(req, request_id, i)
             seq = _Seq(req.request_id, req, stream)
             stream.seqs.append(seq)
@@ -193,6 +199,28 @@ class AsyncEngineClient:
         stream.num_open = len(stream.seqs)
         self._streams[request_id] = stream
         return stream
+
+    async def call_utility(self, method: str, *args: object,
+                           timeout_s: float = 120.0) -> list[object]:
+        """Run a whitelisted engine utility on every engine of this server; results in engine
+        order. An engine's failure raises ``ValueError`` with its message."""
+        loop = asyncio.get_running_loop()
+        calls = {}
+        for engine_id in self.engine_ids:
+            call_id = next(self._call_ids)
+            calls[engine_id] = self._calls[call_id] = loop.create_future()
+            self.input_sockets[engine_id].send_multipart(
+                encode(UtilityCall(call_id, method, list(args))))
+        try:
+            async with asyncio.timeout(timeout_s):
+                results = [await calls[i] for i in self.engine_ids]
+        finally:
+            for call_id in [c for c, f in self._calls.items() if f in calls.values()]:
+                del self._calls[call_id]
+        for engine_id, result in zip(self.engine_ids, results):
+            if result.failure is not None:
+                raise ValueError(result.failure.partition(": ")[2] or result.failure)
+        return [r.result for r in results]
 
     def _submit(self, seq: _Seq, engine_id: int) -> None:
         """Send (or resend after a fault) one sequence, resuming after its streamed tokens."""
@@ -250,7 +278,11 @@ class AsyncEngineClient:
     async def _output_loop(self) -> None:
         while True:
             kind, msg = decode(await self.output_socket.recv_multipart())
-            if kind == MsgKind.OUTPUTS:
+            if kind == MsgKind.OUTPUTS and msg.utility_result is not None:
+                call = self._calls.pop(msg.utility_result.call_id, None)
+                if call is not None and not call.done():
+                    call.set_result(msg.utility_result)
+            elif kind == MsgKind.OUTPUTS:
                 await self._on_outputs(msg)
 
     async def _on_outputs(self, outs: EngineCoreOutputs) -> None:

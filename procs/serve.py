@@ -82,13 +82,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_config = ApiConfig(host=args.host, port=args.port, api_key=args.api_key,
                            admin_key=args.admin_key, metrics_prefix=args.metrics_prefix,
                            enable_fault_injection=args.enable_fault_injection,
+                           enable_lora=config.lora.enable_lora,
                            http_header_timeout_s=args.http_header_timeout,
                            http_idle_timeout_s=args.http_idle_timeout,
                            max_connections=args.max_connections,
                            enable_auto_tool_choice=args.enable_auto_tool_choice,
                            tool_call_parser=args.tool_call_parser,
                            reasoning_parser=args.reasoning_parser)
-    error = port_in_use(args.host, args.port)
+    error = port_in_use(args.host, args.port) or lora_modules_error(config.lora.lora_modules)
     if error is not None:
         raise UserError(error)
     try:
@@ -98,6 +99,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         logger.warning("uvloop is not installed; using asyncio's default loop")
     return asyncio.run(Server(args, config, api_config).run())
+
+
+def lora_modules_error(values: tuple[str, ...]) -> str | None:
+    """Why ``--lora-modules`` cannot be loaded as given (before the model loads), or None."""
+    from bastion.api.lora import parse_lora_modules
+
+    try:
+        modules = parse_lora_modules(values)
+    except ValueError as exc:
+        return str(exc)
+    for name, path in modules:
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            return f"--lora-modules {name}={path}: no adapter_config.json in {path}"
+    return None
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -189,6 +204,7 @@ class Server:
                 raise RuntimeError("the engine group did not become healthy")
             logger.info("engines ready in %.1f s", time.perf_counter() - t0)
             app = self._build_app(client)
+            await self._load_lora_modules(app)
             from bastion.api.server import CONFIG_KEY, start_server
 
             runner = await start_server(app, app[CONFIG_KEY])
@@ -217,6 +233,17 @@ class Server:
             return True
         return client.children_alive() and client.fatal is None and client.is_progressing()
 
+    async def _load_lora_modules(self, app: web.Application) -> None:
+        from bastion.api.errors import ApiError
+        from bastion.api.lora import load_adapter, parse_lora_modules
+        from bastion.procs.cli import UserError
+
+        for name, path in parse_lora_modules(self.config.lora.lora_modules):
+            try:
+                await load_adapter(app, name, path)
+            except ApiError as exc:
+                raise UserError(f"--lora-modules {name}={path}: {exc}") from None
+
     def _build_app(self, client: AsyncEngineClient) -> web.Application:
         from bastion.api.server import build_app
 
@@ -228,6 +255,8 @@ class Server:
 
         metrics = app[METRICS_KEY]
         metrics.set_cache_config(self.config.cache)
+        if self.config.lora.enable_lora:
+            metrics.set_lora_config(self.config.lora.max_loras)
         client.on_stats = metrics.observe_scheduler_stats
         client.on_status = metrics.observe_statuses
         return app

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from bastion.ops.communicator import get_tp_group
 from torch import nn
+
+from bastion.ops.communicator import get_tp_group
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -56,6 +57,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp = get_tp_group()
         self.output_size_per_partition = _divide(output_size, self.tp.world_size, "output size")
         self.gather_output = gather_output
+        self.lora = None  # core/lora LoRASlots, when LoRA is enabled
         self.weight = _new_param(self.output_size_per_partition, input_size)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -69,6 +71,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -137,6 +141,7 @@ class RowParallelLinear(nn.Module):
         self.tp = get_tp_group()
         self.input_size_per_partition = _divide(input_size, self.tp.world_size, "input size")
         self.reduce_results = reduce_results
+        self.lora = None  # core/lora LoRASlots; added to the partial product (core/lora/layers.py)
         self.weight = _new_param(output_size, self.input_size_per_partition)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -150,6 +155,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if self.lora is not None:
+            self.lora.apply(x, y)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
