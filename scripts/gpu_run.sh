@@ -26,7 +26,9 @@
 # offline throughput and batch-1/8 latency beside their floors), specbench (a speculative
 # verify step with k = 2, 4 against a decode step, Llama-3.1-8B architecture, batch 1/8/32),
 # speccheck (ngram and draft-model greedy tokens identical to plain decoding under the decode
-# and verify CUDA graphs, Qwen3-0.6B architecture, float32), serve (bench_serve.py at rate inf and two finite
+# and verify CUDA graphs, Qwen3-0.6B architecture, float32), lora (the LoRA kernels' tests
+# compiled, then scripts/bench_lora.py: Llama-3.1-8B architecture, 4 mixed rank-16 adapters
+# against the base model, and batch-8 latency with one), serve (bench_serve.py at rate inf and two finite
 # rates, 1000 prompts of 1024 in / 128 out, against the embedded model).
 #
 # Run from the repository root. Wheels for packages the machine lacks (msgspec, pyzmq, gguf,
@@ -198,6 +200,9 @@ for s in $STAGES; do
       $PY scripts/bench_spec_gpu.py --model $LLAMA ;;
     speccheck) stage speccheck 240 'batch|free blocks|Error|error' -- \
       $PY scripts/gpu_spec_check.py ;;
+    lora) stage lora 420 'passed|failed|tok/s|ms|x base|Error|error' -- bash -c \
+      "$PY -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py && \
+       $PY scripts/bench_lora.py --device cuda" ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac
