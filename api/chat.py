@@ -107,7 +107,7 @@ def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
     base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
-                                max_tokens)
+                                max_tokens, len(client.tokenizer))
     prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True))
     params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
                             "messages")

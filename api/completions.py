@@ -100,7 +100,7 @@ def parse_completion_request(request: web.Request, body: dict) -> GenerateReques
     stream = get_bool(body, "stream", False)
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
-    base = base_sampling_params(body, config, logprobs, max_tokens)
+    base = base_sampling_params(body, config, logprobs, max_tokens, len(client.tokenizer))
     params = [fit_to_context(base, len(p.token_ids), client.max_model_len, max_tokens, "prompt",
                              default) for p in prompts]
     return GenerateRequest(model, prompts, params, stream, include_usage, deadline, echo)

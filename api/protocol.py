@@ -184,6 +184,27 @@ def _int_list(body: dict, name: str, max_len: int) -> list[int]:
     return value
 
 
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's map of token ids (decimal strings) to a bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        # Only canonical decimals: "7" and "07" would otherwise be two entries for one id.
+        if not (key.isdecimal() and str(int(key)) == key and int(key) < vocab_size):
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}) written "
+                              f"as decimal strings, got {key!r}", "logit_bias")
+        if (isinstance(number, bool) or not isinstance(number, (int, float))
+                or not -100.0 <= number <= 100.0):
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got "
+                              f"{number!r} for token {key}", "logit_bias")
+        bias[int(key)] = float(number)
+    return bias
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -194,7 +215,6 @@ def _is_int(value: object) -> bool:
 # silently ignoring them would return something the client did not ask for.
 _UNSUPPORTED = {
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "tools": (None, []),
     "functions": (None, []),
@@ -250,8 +270,9 @@ def parse_stream_options(body: dict, stream: bool) -> bool:
 
 
 def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
-                         max_tokens: int | None) -> SamplingParams:
-    """Everything but the per-prompt ``max_tokens`` (checked later against the context)."""
+                         max_tokens: int | None, vocab_size: int) -> SamplingParams:
+    """Everything but the per-prompt ``max_tokens`` (checked later against the context);
+    ``vocab_size`` bounds the token ids of ``logit_bias``."""
     n = get_int(body, "n", 1)
     if n > config.max_n:
         raise bad_request(f"n must be at most {config.max_n}, got {n}", "n")
@@ -279,6 +300,7 @@ def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
             logprobs=logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            logit_bias=_logit_bias(body, vocab_size),
         )
     except InvalidParam as exc:
         raise bad_request(str(exc), exc.param) from None

@@ -85,7 +85,8 @@ def _needs_output_ids(params: SamplingParams) -> bool:
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    return params.is_greedy and params.logprobs is None and not _needs_output_ids(params)
+    return (params.is_greedy and params.logprobs is None and not _needs_output_ids(params)
+            and not params.logit_bias)
 
 
 class StepHandle:

@@ -59,6 +59,9 @@ class SamplingParams(msgspec.Struct, **_WIRE):
     skip_special_tokens: bool = True
     # Issue #21: set by the front end from response_format / structured_outputs / guided_* / tools.
     structured_outputs: StructuredOutputsParams | None = None
+    # Issue #20: OpenAI's logit_bias, token id -> bias in [-100, 100] added to the logits before
+    # sampling (after min_tokens, before the penalties, as vLLM V1).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -88,6 +91,13 @@ class SamplingParams(msgspec.Struct, **_WIRE):
                "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias), "logit_bias",
+                   "logit_bias keys must be non-negative token ids")
+            bad = next((v for v in self.logit_bias.values()
+                        if not (isinstance(v, (int, float)) and -100.0 <= v <= 100.0)), None)
+            _check(bad is None, "logit_bias",
+                   f"logit_bias values must be numbers in [-100, 100], got {bad!r}")
         if self.structured_outputs is not None:
             kinds = self.structured_outputs.kinds()
             _check(len(kinds) == 1, "structured_outputs",

@@ -189,6 +189,30 @@ def test_chat_logprobs(client: openai.OpenAI, model_name: str, reference_chat: s
         assert tok.top_logprobs[1].logprob <= tok.logprob <= 0.0
 
 
+def test_logit_bias_steers_greedy_tokens(client: openai.OpenAI, model_name: str,
+                                         llm: LLM) -> None:
+    # The unbiased greedy token and the runner-up, from the offline model's top-2 logprobs.
+    entry = llm.generate(PROMPTS[0], greedy(1, logprobs=2))[0].outputs[0].logprobs[0]
+    first, second = (tok for tok, _ in sorted(entry.items(), key=lambda kv: kv[1].rank))
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=1,
+                                     temperature=0, logit_bias={str(first): -100},
+                                     extra_body=IGNORE_EOS)
+    assert resp.choices[0].text == llm.tokenizer.decode([second])
+    # +100 on an unlikely id makes it every output token, on both routes.
+    chosen = llm.tokenizer.encode(" banana")[0]
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=4,
+                                     temperature=0, logit_bias={str(chosen): 100},
+                                     extra_body=IGNORE_EOS)
+    assert resp.choices[0].text == llm.tokenizer.decode([chosen] * 4)
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=3,
+                                          temperature=0, logit_bias={str(chosen): 100},
+                                          extra_body=IGNORE_EOS)
+    assert chat.choices[0].message.content == llm.tokenizer.decode([chosen] * 3)
+    with pytest.raises(openai.BadRequestError, match="logit_bias") as err:
+        client.completions.create(model=model_name, prompt="hi", logit_bias={"1": 101})
+    assert err.value.body["param"] == "logit_bias"
+
+
 def test_usage(client: openai.OpenAI, model_name: str, llm: LLM) -> None:
     num_prompt = len(llm.tokenizer.encode(PROMPTS[3]))
     resp = client.completions.create(model=model_name, prompt=PROMPTS[3], max_tokens=5,
