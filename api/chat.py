@@ -11,12 +11,12 @@ from aiohttp import web
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
+from bastion.api.fields import check_unsupported
 from bastion.api.protocol import (
     GenerateRequest,
     Prompt,
     base_sampling_params,
     check_model,
-    check_unsupported,
     fit_to_context,
     get_bool,
     get_int,
@@ -76,21 +76,23 @@ def _content_text(content: Any, i: int, role: str) -> str:
 
 
 def render_prompt(client: EngineClient, messages: list[dict[str, str]],
-                  add_generation_prompt: bool) -> Prompt:
+                  add_generation_prompt: bool, add_special_tokens: bool = False) -> Prompt:
+    """The chat template's text and its ids; the template writes the special tokens itself,
+    so by default (vLLM's) the tokenizer adds none."""
     try:
         text = client.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja2 errors, including the template's raise_exception()
         raise bad_request(f"The chat template could not render these messages: {exc}",
                           "messages") from None
-    return Prompt(client.tokenizer.encode(text, add_special_tokens=False), text)
+    return Prompt(client.tokenizer.encode(text, add_special_tokens=add_special_tokens), text)
 
 
 def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
     model = check_model(body, request.app[MODEL_NAMES_KEY])
     body = apply_generation_defaults(body, config.generation_defaults)
-    check_unsupported(body)
+    check_unsupported(body, chat=True)
     messages = parse_messages(body.get("messages"))
     logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs")
@@ -108,11 +110,12 @@ def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     deadline = parse_deadline(request, body)
     base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
                                 max_tokens, len(client.tokenizer))
-    prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True))
+    prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True),
+                           get_bool(body, "add_special_tokens", False))
     params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
                             "messages")
     return GenerateRequest(model, [prompt], [params], stream, include_usage, deadline,
-                           top_logprobs=top_logprobs if logprobs else None)
+                           top_logprobs=(top_logprobs or 0) if logprobs else None)
 
 
 def _token_info(entry: TokenLogprob) -> dict[str, Any]:

@@ -10,12 +10,12 @@ from aiohttp import web
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
+from bastion.api.fields import check_unsupported
 from bastion.api.protocol import (
     GenerateRequest,
     Prompt,
     base_sampling_params,
     check_model,
-    check_unsupported,
     fit_to_context,
     get_bool,
     get_int,
@@ -45,7 +45,8 @@ _PROMPT_FORMS = ("prompt must be a non-empty string, a list of strings, a list o
                  "a list of lists of token ids")
 
 
-def parse_prompts(value: Any, client: EngineClient, max_num_prompts: int) -> list[Prompt]:
+def parse_prompts(value: Any, client: EngineClient, max_num_prompts: int,
+                  add_special_tokens: bool = True) -> list[Prompt]:
     if isinstance(value, str):
         items: list[Any] = [value]
     elif isinstance(value, list) and value and all(_is_token_id(v) for v in value):
@@ -64,7 +65,8 @@ def parse_prompts(value: Any, client: EngineClient, max_num_prompts: int) -> lis
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt must not be empty", "prompt")
-            prompts.append(Prompt(client.tokenizer.encode(item), item))
+            prompts.append(Prompt(client.tokenizer.encode(
+                item, add_special_tokens=add_special_tokens), item))
             continue
         if not item or not all(_is_token_id(t) and t < vocab_size for t in item):
             raise bad_request(f"a token-id prompt must be a non-empty list of integers in "
@@ -81,10 +83,11 @@ def parse_completion_request(request: web.Request, body: dict) -> GenerateReques
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
     model = check_model(body, request.app[MODEL_NAMES_KEY])
     body = apply_generation_defaults(body, config.generation_defaults)
-    check_unsupported(body)
+    check_unsupported(body, chat=False)
     if body.get("prompt") is None:
         raise bad_request("prompt is required", "prompt")
-    prompts = parse_prompts(body["prompt"], client, config.max_num_prompts)
+    prompts = parse_prompts(body["prompt"], client, config.max_num_prompts,
+                            get_bool(body, "add_special_tokens", True))
     echo = get_bool(body, "echo", False)
     logprobs = get_int(body, "logprobs")
     if logprobs is not None and logprobs < 0:

@@ -211,17 +211,6 @@ def _is_int(value: object) -> bool:
 
 # ------------------------------------------------------------------------- common parameters
 
-# Fields whose non-default values would change the output in ways bastion does not implement;
-# silently ignoring them would return something the client did not ask for.
-_UNSUPPORTED = {
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-    "tools": (None, []),
-    "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-}
-
-
 def check_model(body: dict, served_model_names: tuple[str, ...]) -> str:
     """The request's ``model`` must be one of the served names; answers carry the first."""
     model = get_str(body, "model", served_model_names[0])
@@ -229,12 +218,6 @@ def check_model(body: dict, served_model_names: tuple[str, ...]) -> str:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                        f"`{served_model_names[0]}`", "model", "model_not_found")
     return served_model_names[0]
-
-
-def check_unsupported(body: dict) -> None:
-    for name, accepted in _UNSUPPORTED.items():
-        if name in body and body[name] not in accepted:
-            raise bad_request(f"{name} is not supported by this server", name)
 
 
 def parse_deadline(request: web.Request, body: dict) -> float | None:
