@@ -1,4 +1,5 @@
-"""Bearer-token auth: ``api_key`` on ``/v1/*``, ``admin_key`` on ``/fault_tolerance/*``.
+"""Bearer-token auth: ``api_key`` on ``/v1/*``, ``/tokenize`` and ``/detokenize``, ``admin_key`` on
+``/fault_tolerance/*``.
 
 Without an admin key the control routes answer loopback clients only: they restart processes,
 and a server bound to a public address must not hand that to anyone who can reach its port.
@@ -15,6 +16,10 @@ from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.errors import ApiError, Handler
 
 
+# vLLM serves these outside /v1; they expose the model's tokenizer, so they take the API key.
+_TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+
+
 def is_control_path(path: str) -> bool:
     return path == "/fault_tolerance" or path.startswith("/fault_tolerance/")
 
@@ -23,7 +28,7 @@ def required_key(config: ApiConfig, path: str) -> tuple[str | None, str]:
     """The key guarding ``path`` (None: open) and its name for the error message."""
     if is_control_path(path):
         return config.admin_key or config.api_key, "admin key"
-    if path == "/v1" or path.startswith("/v1/"):
+    if path == "/v1" or path.startswith("/v1/") or path in _TOKENIZER_PATHS:
         return config.api_key, "API key"
     return None, ""
 

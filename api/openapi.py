@@ -45,6 +45,11 @@ _SAMPLING = {
                 "description": "seconds until the request's deadline"},
 }
 
+_MESSAGES = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": _STR}}}
+
 _USAGE = {"type": "object", "properties": {
     "prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}}}}
@@ -71,11 +76,7 @@ _SCHEMAS: dict[str, Any] = {
     "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
         **_SAMPLING, "max_completion_tokens": _range("integer", 1), "logprobs": _BOOL,
         "top_logprobs": _range("integer", 0, 20),
-        "messages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role", "content"], "properties": {
-                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant",
-                                                    "tool"]},
-                "content": _STR}}}}},
+        "add_generation_prompt": _BOOL, "messages": _MESSAGES}},
     "ChatCompletion": {"type": "object", "properties": {
         "id": _STR, "object": {"type": "string", "enum": ["chat.completion"]}, "created": _INT,
         "model": _STR, "usage": {"$ref": "#/components/schemas/Usage"},
@@ -84,6 +85,20 @@ _SCHEMAS: dict[str, Any] = {
                                                                         "content": _STR}},
             "logprobs": {"type": "object", "nullable": True},
             "finish_reason": _NULLABLE_STR}}}}},
+    # vLLM's shapes: a prompt as /v1/completions encodes it, or messages as the chat route does.
+    "TokenizeRequest": {"oneOf": [
+        {"type": "object", "required": ["prompt"], "properties": {
+            "model": _STR, "prompt": _STR, "add_special_tokens": _BOOL,
+            "return_token_strs": _BOOL}},
+        {"type": "object", "required": ["messages"], "properties": {
+            "model": _STR, "messages": _MESSAGES, "add_generation_prompt": _BOOL,
+            "add_special_tokens": _BOOL, "return_token_strs": _BOOL}}]},
+    "TokenizeResponse": {"type": "object", "properties": {
+        "count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT},
+        "token_strs": {"type": "array", "items": _STR, "nullable": True}}},
+    "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+        "model": _STR, "tokens": {"type": "array", "items": _range("integer", 0)}}},
+    "DetokenizeResponse": {"type": "object", "properties": {"prompt": _STR}},
     "ModelList": {"type": "object", "properties": {"object": _STR, "data": {
         "type": "array", "items": {"type": "object", "properties": {
             "id": _STR, "object": _STR, "created": _INT, "owned_by": _STR,
@@ -148,6 +163,10 @@ def openapi_document(config: ApiConfig | None = None, model_name: str | None = N
                                         _ref("Completion"), "CompletionRequest")},
         "/v1/chat/completions": {"post": _op("Create a chat completion" + stream_note,
                                              _ref("ChatCompletion"), "ChatCompletionRequest")},
+        "/tokenize": {"post": _op("Token ids of a prompt or of chat messages",
+                                  _ref("TokenizeResponse"), "TokenizeRequest")},
+        "/detokenize": {"post": _op("Text of token ids", _ref("DetokenizeResponse"),
+                                    "DetokenizeRequest")},
         "/health": {"get": _op("200 when every engine is healthy, else 503",
                                {"type": "object"})},
         "/version": {"get": _op("Server version", {"type": "object",
