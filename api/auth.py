@@ -15,7 +15,6 @@ from aiohttp import web
 from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.errors import ApiError, Handler
 
-
 # vLLM serves these outside /v1; they expose the model's tokenizer, so they take the API key.
 _TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
