@@ -21,6 +21,7 @@ from bastion.api.protocol import (
     get_bool,
     get_int,
     parse_deadline,
+    parse_prompt_logprobs,
     parse_stream_options,
     read_json,
 )
@@ -36,6 +37,7 @@ from bastion.api.serving import (
     stream_sse,
     submit,
     token_text,
+    vllm_prompt_logprobs,
     with_usage_field,
 )
 from bastion.core.output_processor import SeqDelta
@@ -108,14 +110,16 @@ def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
     stream = get_bool(body, "stream", False)
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
+    prompt_logprobs = parse_prompt_logprobs(body, config, stream)
     base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
-                                max_tokens, len(client.tokenizer))
+                                max_tokens, len(client.tokenizer), prompt_logprobs)
     prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True),
                            get_bool(body, "add_special_tokens", False))
     params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
                             "messages")
     return GenerateRequest(model, [prompt], [params], stream, include_usage, deadline,
-                           top_logprobs=(top_logprobs or 0) if logprobs else None)
+                           top_logprobs=(top_logprobs or 0) if logprobs else None,
+                           prompt_logprobs=prompt_logprobs)
 
 
 def _token_info(entry: TokenLogprob) -> dict[str, Any]:
@@ -167,8 +171,12 @@ def chat_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
                              "message": {"role": "assistant", "content": choice.text},
                              "logprobs": logprobs, "finish_reason": choice.finish_reason,
                              "stop_reason": choice.stop_reason})
-    return {"id": run.request_id, "object": "chat.completion", "created": run.created,
+    body = {"id": run.request_id, "object": "chat.completion", "created": run.created,
             "model": run.model, "choices": body_choices, "usage": run.usage()}
+    if run.req.prompt_logprobs is not None:  # vLLM's: one prompt, so on the response
+        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs,
+                                                       run.req.prompt_logprobs)
+    return body
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

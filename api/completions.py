@@ -20,6 +20,7 @@ from bastion.api.protocol import (
     get_bool,
     get_int,
     parse_deadline,
+    parse_prompt_logprobs,
     parse_stream_options,
     read_json,
 )
@@ -35,6 +36,8 @@ from bastion.api.serving import (
     stream_sse,
     submit,
     token_text,
+    top_entries,
+    vllm_prompt_logprobs,
     with_usage_field,
 )
 from bastion.core.output_processor import SeqDelta
@@ -93,9 +96,6 @@ def parse_completion_request(request: web.Request, body: dict) -> GenerateReques
     if logprobs is not None and logprobs < 0:
         raise bad_request(f"logprobs must be in [0, {config.max_logprobs}], got {logprobs}",
                           "logprobs")
-    if echo and logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)",
-                          "echo")
     max_tokens = get_int(body, "max_tokens")
     # OpenAI's legacy API (and vLLM) stop at 16 tokens when max_tokens is absent; an explicit
     # null fills the context, as chat does by default.
@@ -103,27 +103,47 @@ def parse_completion_request(request: web.Request, body: dict) -> GenerateReques
     stream = get_bool(body, "stream", False)
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
-    base = base_sampling_params(body, config, logprobs, max_tokens, len(client.tokenizer))
+    prompt_logprobs = parse_prompt_logprobs(body, config, stream)
+    # OpenAI's echo with logprobs scores the echoed prompt too: the engine computes the larger
+    # top-k of the two asks, each part of the answer keeps its own.
+    engine_k = prompt_logprobs
+    if echo and logprobs is not None:
+        engine_k = max(logprobs, prompt_logprobs or 0)
+    base = base_sampling_params(body, config, logprobs, max_tokens, len(client.tokenizer),
+                                engine_k)
     params = [fit_to_context(base, len(p.token_ids), client.max_model_len, max_tokens, "prompt",
                              default) for p in prompts]
-    return GenerateRequest(model, prompts, params, stream, include_usage, deadline, echo)
+    return GenerateRequest(model, prompts, params, stream, include_usage, deadline, echo,
+                           prompt_logprobs=prompt_logprobs)
 
 
-def completion_logprobs(entries: list[dict[int, TokenLogprob]], text_offset: int
-                        ) -> tuple[dict[str, Any], int]:
-    """OpenAI's legacy shape; ``top_logprobs`` holds the top-N plus the sampled token."""
+def completion_logprobs(entries: list[dict[int, TokenLogprob] | None], text_offset: int,
+                        k: int, first_text: str = "") -> tuple[dict[str, Any], int]:
+    """OpenAI's legacy shape; ``top_logprobs`` holds the top-``k`` plus the sampled token.
+    A ``None`` entry is the first prompt token of an echo (text ``first_text``, scored null)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for entry in entries:
-        sampled = next(iter(entry.values()))
-        text = token_text(sampled)
+        if entry is None:
+            text, logprob, top = first_text, None, None
+        else:
+            ranked = top_entries(entry, k)
+            text, logprob = token_text(ranked[0]), ranked[0].logprob
+            top = {token_text(e): e.logprob for e in sorted(ranked, key=lambda e: e.rank)}
         tokens.append(text)
-        token_logprobs.append(sampled.logprob)
-        top_logprobs.append({token_text(e): e.logprob for e in
-                             sorted(entry.values(), key=lambda e: e.rank)})
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}, text_offset
+
+
+def _echo_entries(run: Run, choice: Choice) -> tuple[list[dict[int, TokenLogprob] | None], str]:
+    """The prompt's logprob entries for an echo with logprobs, and its first token's text."""
+    if not (run.req.echo and run.req.params[0].logprobs is not None):
+        return [], ""
+    first_id = run.req.prompts[choice.prompt_index].token_ids[0]
+    return choice.prompt_logprobs or [], run.tokenizer.decode([first_id])
 
 
 class CompletionStreamFormatter:
@@ -131,9 +151,11 @@ class CompletionStreamFormatter:
 
     def __init__(self) -> None:
         self._text_offsets: dict[int, int] = {}
+        self._echoed: set[int] = set()
 
     def start_chunks(self, run: Run) -> list[dict[str, Any]]:
-        if not run.req.echo:
+        # With logprobs the echo waits for the first delta, which brings the prompt's.
+        if not run.req.echo or run.req.params[0].logprobs is not None:
             return []
         return [self._chunk(run, c.index, _prompt_text(run, c), None, None, None)
                 for c in run.choices]
@@ -141,12 +163,19 @@ class CompletionStreamFormatter:
     def chunk(self, run: Run, choice: Choice, delta: SeqDelta) -> dict[str, Any] | None:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
-        logprobs = None
-        if run.req.params[0].logprobs is not None:
+        text, logprobs, k = delta.text, None, run.req.params[0].logprobs
+        entries: list[dict[int, TokenLogprob] | None] = list(delta.logprobs or [])
+        first_text = ""
+        if run.req.echo and k is not None and choice.index not in self._echoed:
+            self._echoed.add(choice.index)
+            prompt_entries, first_text = _echo_entries(run, choice)
+            text = _prompt_text(run, choice) + text
+            entries = [*prompt_entries, *entries]
+        if k is not None:
             offset = self._text_offsets.get(choice.index, 0)
             logprobs, self._text_offsets[choice.index] = completion_logprobs(
-                delta.logprobs or [], offset)
-        return self._chunk(run, choice.index, delta.text, logprobs, delta.finish_reason,
+                entries, offset, k, first_text)
+        return self._chunk(run, choice.index, text, logprobs, delta.finish_reason,
                            delta.stop_reason)
 
     def _chunk(self, run: Run, index: int, text: str, logprobs: dict | None,
@@ -166,14 +195,20 @@ def _prompt_text(run: Run, choice: Choice) -> str:
 
 def completion_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
     body_choices = []
+    k = run.req.params[0].logprobs
     for choice in choices:
         text = (_prompt_text(run, choice) if run.req.echo else "") + choice.text
         logprobs = None
-        if run.req.params[0].logprobs is not None:
-            logprobs, _ = completion_logprobs(choice.logprobs, 0)
-        body_choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
-                             "finish_reason": choice.finish_reason,
-                             "stop_reason": choice.stop_reason})
+        if k is not None:
+            prompt_entries, first_text = _echo_entries(run, choice)
+            logprobs, _ = completion_logprobs([*prompt_entries, *choice.logprobs], 0, k,
+                                              first_text)
+        body_choice = {"index": choice.index, "text": text, "logprobs": logprobs,
+                       "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        if run.req.prompt_logprobs is not None:
+            body_choice["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs,
+                                                                  run.req.prompt_logprobs)
+        body_choices.append(body_choice)
     return {"id": run.request_id, "object": "text_completion", "created": run.created,
             "model": run.model, "choices": body_choices, "usage": run.usage()}
 

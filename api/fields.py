@@ -43,7 +43,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0),
     "request_id": (None,),
     "mm_processor_kwargs": (None,),
-    "prompt_logprobs": (None,),
     # ------------------------------------------------------------------------------------
     # Issue #21 (structured outputs, tool calling, reasoning) implements these on its own
     # branches; until it merges they are refused here. Its merge removes this group.

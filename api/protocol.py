@@ -43,6 +43,7 @@ class GenerateRequest:
     deadline: float | None
     echo: bool = False
     top_logprobs: int | None = None  # chat only: OpenAI's top-N, separate from the sampled one
+    prompt_logprobs: int | None = None  # vLLM's field, for the response's prompt_logprobs
 
     @property
     def n(self) -> int:
@@ -240,6 +241,20 @@ def parse_deadline(request: web.Request, body: dict) -> float | None:
     return time.time() + timeout
 
 
+def parse_prompt_logprobs(body: dict, config: ApiConfig, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: top-k per prompt token, for non-streamed answers."""
+    k = get_int(body, "prompt_logprobs")
+    if k is None:
+        return None
+    if not 0 <= k <= config.max_logprobs:
+        raise bad_request(f"prompt_logprobs must be in [0, {config.max_logprobs}], got {k}",
+                          "prompt_logprobs")
+    if stream:
+        raise bad_request("prompt_logprobs is not available when stream is true",
+                          "prompt_logprobs")
+    return k
+
+
 def parse_stream_options(body: dict, stream: bool) -> bool:
     """Whether to send the final usage chunk."""
     options = body.get("stream_options")
@@ -253,7 +268,8 @@ def parse_stream_options(body: dict, stream: bool) -> bool:
 
 
 def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
-                         max_tokens: int | None, vocab_size: int) -> SamplingParams:
+                         max_tokens: int | None, vocab_size: int,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
     """Everything but the per-prompt ``max_tokens`` (checked later against the context);
     ``vocab_size`` bounds the token ids of ``logit_bias``."""
     n = get_int(body, "n", 1)
@@ -284,6 +300,7 @@ def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
             logit_bias=_logit_bias(body, vocab_size),
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidParam as exc:
         raise bad_request(str(exc), exc.param) from None

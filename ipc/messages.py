@@ -62,6 +62,9 @@ class SamplingParams(msgspec.Struct, **_WIRE):
     # Issue #20: OpenAI's logit_bias, token id -> bias in [-100, 100] added to the logits before
     # sampling (after min_tokens, before the penalties, as vLLM V1).
     logit_bias: dict[int, float] | None = None
+    # Issue #20: logprobs of every prompt token (the first has none) with the top ``k``; such a
+    # request skips the prefix cache (vLLM's rule), so every prompt position runs the model.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -87,6 +90,8 @@ class SamplingParams(msgspec.Struct, **_WIRE):
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -195,6 +200,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     # the engine to its first scheduling, and from there to this token.
     queue_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    # With a request's first token, when it asked for prompt_logprobs: one row per prompt token
+    # after the first (that token first, then the top-k).
+    prompt_logprobs: Logprobs | None = None
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -296,6 +304,15 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
+class PromptLogprobs(msgspec.Struct, **_WIRE):
+    """Logprobs of prompt tokens ``start + 1 .. start + len(rows)`` of one request, from the
+    logits at positions ``start ..`` of one prefill chunk (each row: that token first)."""
+
+    request_id: str
+    start: int
+    logprobs: Logprobs
+
+
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     """Rank 0's reply to EXECUTE: one sampled token per request that finished its prefill."""
 
@@ -308,6 +325,8 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     # proposer offers for the next step.
     sampled_token_id_lists: list[list[int]] = []
     draft_token_ids: list[list[int]] = []
+    # Prompt logprobs computed this step, one part per prefill chunk that asked for them.
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,6 +85,9 @@ _SAMPLING = {
                and b[-1]["choices"][0]["finish_reason"] == "length"),
     "stream_options": ({"stream": True, "stream_options": {"include_usage": True}},
                        lambda e, b, t: b[-1]["choices"] == [] and b[-1]["usage"] is not None),
+    "prompt_logprobs": ({"prompt_logprobs": 1}, lambda e, b, t: params(e).prompt_logprobs == 1
+                        and (b.get("prompt_logprobs") or b["choices"][0]["prompt_logprobs"])[0]
+                        is None),
     # bastion's own (also the X-Request-Timeout header).
     "timeout": ({"timeout": 30}, lambda e, b, t: e.requests[0][3] is not None),
 }
@@ -144,7 +147,7 @@ REFUSED_VALUES: dict[str, Any] = {
     "allowed_token_ids": [1], "bad_words": ["x"], "spaces_between_special_tokens": False,
     "prompt_embeds": "AAAA", "logits_processors": ["x"], "return_tokens_as_token_ids": True,
     "return_token_ids": True, "cache_salt": "s", "kv_transfer_params": {}, "vllm_xargs": {},
-    "priority": 1, "request_id": "r-1", "mm_processor_kwargs": {}, "prompt_logprobs": 1,
+    "priority": 1, "request_id": "r-1", "mm_processor_kwargs": {},
     "echo": True, "continue_final_message": True, "documents": [], "chat_template": "{{ x }}",
     # Issue #21's fields (api/fields.py's marked group): its merge moves them to HONOURED.
     "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"},
