@@ -18,13 +18,14 @@ from bastion.api.protocol import (
     base_sampling_params,
     check_model,
     fit_to_context,
-    get_bool,
-    get_int,
+    get,
     parse_deadline,
     parse_prompt_logprobs,
     parse_stream_options,
-    read_json,
+    read_body,
+    read_request,
 )
+from bastion.api.schemas import ChatCompletionRequest
 from bastion.api.serving import (
     Choice,
     Run,
@@ -43,38 +44,24 @@ from bastion.api.serving import (
 from bastion.core.output_processor import SeqDelta
 from bastion.core.outputs import TokenLogprob
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
 
-
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    """Messages as the chat template expects them: role and plain-text content."""
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages must be a non-empty list of message objects", "messages")
+def parse_messages(value: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages as the chat template expects them: role and plain-text content (roles and
+    content types were checked when decoding)."""
     messages = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise bad_request(f"messages[{i}] must be an object with role and content", "messages")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}; "
-                              f"got {role!r}", "messages")
-        content = _content_text(message.get("content"), i, role)
+        role = message["role"]
+        content = message.get("content")
+        if content is None and role != "assistant":
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts "
+                              '({"type": "text", "text": ...}); only an assistant turn may omit '
+                              "it", f"messages[{i}].content")
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
         # "developer" is OpenAI's newer name for "system"; templates know only the latter.
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
+        messages.append({"role": "system" if role == "developer" else role,
+                         "content": content or ""})
     return messages
-
-
-def _content_text(content: Any, i: int, role: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts "
-                      '({"type": "text", "text": ...}); only text is supported', "messages")
 
 
 def render_prompt(client: EngineClient, messages: list[dict[str, str]],
@@ -90,31 +77,32 @@ def render_prompt(client: EngineClient, messages: list[dict[str, str]],
     return Prompt(client.tokenizer.encode(text, add_special_tokens=add_special_tokens), text)
 
 
-def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
+def parse_chat_request(request: web.Request, raw: bytes) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
+    body = read_request(raw, ChatCompletionRequest)
     model = check_model(body, request.app[MODEL_NAMES_KEY])
     body = apply_generation_defaults(body, config.generation_defaults)
     check_unsupported(body, chat=True)
-    messages = parse_messages(body.get("messages"))
-    logprobs = get_bool(body, "logprobs", False)
-    top_logprobs = get_int(body, "top_logprobs")
+    messages = parse_messages(body["messages"])
+    logprobs = get(body, "logprobs", False)
+    top_logprobs = get(body, "top_logprobs")
     if top_logprobs is not None:
         if not logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if not 0 <= top_logprobs <= config.max_logprobs:
+        if top_logprobs > config.max_logprobs:
             raise bad_request(f"top_logprobs must be in [0, {config.max_logprobs}], got "
                               f"{top_logprobs}", "top_logprobs")
-    max_tokens = get_int(body, "max_completion_tokens")
+    max_tokens = get(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens")
-    stream = get_bool(body, "stream", False)
+        max_tokens = get(body, "max_tokens")
+    stream = get(body, "stream", False)
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
     prompt_logprobs = parse_prompt_logprobs(body, config, stream)
     base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
                                 max_tokens, len(client.tokenizer), prompt_logprobs)
-    prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True),
-                           get_bool(body, "add_special_tokens", False))
+    prompt = render_prompt(client, messages, get(body, "add_generation_prompt", True),
+                           get(body, "add_special_tokens", False))
     params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
                             "messages")
     return GenerateRequest(model, [prompt], [params], stream, include_usage, deadline,
@@ -181,8 +169,8 @@ def chat_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     reject_if_draining(request.app)
-    body = await read_json(request)
-    req = await off_loop(parse_chat_request, request, body)
+    raw = await read_body(request)
+    req = await off_loop(parse_chat_request, request, raw)
     client = request.app[CLIENT_KEY]
     run = await submit(client, request.app[METRICS_KEY], f"chatcmpl-{uuid.uuid4().hex}",
                        req.model, req)

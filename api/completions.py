@@ -17,13 +17,14 @@ from bastion.api.protocol import (
     base_sampling_params,
     check_model,
     fit_to_context,
-    get_bool,
-    get_int,
+    get,
     parse_deadline,
     parse_prompt_logprobs,
     parse_stream_options,
-    read_json,
+    read_body,
+    read_request,
 )
+from bastion.api.schemas import CompletionRequest
 from bastion.api.serving import (
     Choice,
     Run,
@@ -48,14 +49,15 @@ _PROMPT_FORMS = ("prompt must be a non-empty string, a list of strings, a list o
                  "a list of lists of token ids")
 
 
-def parse_prompts(value: Any, client: EngineClient, max_num_prompts: int,
+def parse_prompts(value: str | list, client: EngineClient, max_num_prompts: int,
                   add_special_tokens: bool = True) -> list[Prompt]:
+    """The request's prompts (their types and non-emptiness checked when decoding); one
+    request holds one form only, and token ids must be in the vocabulary."""
     if isinstance(value, str):
         items: list[Any] = [value]
-    elif isinstance(value, list) and value and all(_is_token_id(v) for v in value):
+    elif all(isinstance(v, int) for v in value):
         items = [value]
-    elif isinstance(value, list) and value and (all(isinstance(v, str) for v in value)
-                                                or all(isinstance(v, list) for v in value)):
+    elif all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value):
         items = value
     else:
         raise bad_request(_PROMPT_FORMS, "prompt")
@@ -66,41 +68,31 @@ def parse_prompts(value: Any, client: EngineClient, max_num_prompts: int,
     prompts = []
     for item in items:
         if isinstance(item, str):
-            if not item:
-                raise bad_request("prompt must not be empty", "prompt")
             prompts.append(Prompt(client.tokenizer.encode(
                 item, add_special_tokens=add_special_tokens), item))
             continue
-        if not item or not all(_is_token_id(t) and t < vocab_size for t in item):
+        if not item or not all(t < vocab_size for t in item):
             raise bad_request(f"a token-id prompt must be a non-empty list of integers in "
                               f"[0, {vocab_size})", "prompt")
         prompts.append(Prompt(list(item), None))
     return prompts
 
 
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def parse_completion_request(request: web.Request, body: dict) -> GenerateRequest:
+def parse_completion_request(request: web.Request, raw: bytes) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
+    body = read_request(raw, CompletionRequest)
     model = check_model(body, request.app[MODEL_NAMES_KEY])
     body = apply_generation_defaults(body, config.generation_defaults)
     check_unsupported(body, chat=False)
-    if body.get("prompt") is None:
-        raise bad_request("prompt is required", "prompt")
     prompts = parse_prompts(body["prompt"], client, config.max_num_prompts,
-                            get_bool(body, "add_special_tokens", True))
-    echo = get_bool(body, "echo", False)
-    logprobs = get_int(body, "logprobs")
-    if logprobs is not None and logprobs < 0:
-        raise bad_request(f"logprobs must be in [0, {config.max_logprobs}], got {logprobs}",
-                          "logprobs")
-    max_tokens = get_int(body, "max_tokens")
+                            get(body, "add_special_tokens", True))
+    echo = get(body, "echo", False)
+    logprobs = get(body, "logprobs")
+    max_tokens = get(body, "max_tokens")
     # OpenAI's legacy API (and vLLM) stop at 16 tokens when max_tokens is absent; an explicit
     # null fills the context, as chat does by default.
     default = None if "max_tokens" in body else DEFAULT_COMPLETION_MAX_TOKENS
-    stream = get_bool(body, "stream", False)
+    stream = get(body, "stream", False)
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
     prompt_logprobs = parse_prompt_logprobs(body, config, stream)
@@ -215,8 +207,8 @@ def completion_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     reject_if_draining(request.app)
-    body = await read_json(request)
-    req = await off_loop(parse_completion_request, request, body)
+    raw = await read_body(request)
+    req = await off_loop(parse_completion_request, request, raw)
     client = request.app[CLIENT_KEY]
     run = await submit(client, request.app[METRICS_KEY], f"cmpl-{uuid.uuid4().hex}", req.model,
                        req)

@@ -4,7 +4,7 @@ A field that would change the output and is not implemented gets a 400 naming it
 request sets it to anything but its neutral values; silently ignoring it would return
 something the client did not ask for. Fields that change nothing bastion returns (OpenAI's
 bookkeeping: ``user``, ``metadata``, ``store``, ...) are accepted and ignored, as vLLM does.
-Every other field the routes read is implemented (``tests/test_api.py`` enumerates OpenAI's
+Every other field the routes read is implemented (``tests/test_request_fields.py`` enumerates OpenAI's
 and vLLM's request fields against these tables).
 """
 
@@ -15,17 +15,10 @@ from typing import Any
 
 from bastion.api.errors import bad_request
 
-# name -> the values that mean "not used" (None: the field left out or null).
+# name -> the values that mean "not used" (None: the field left out or null). Every name is a
+# field of the route's request type (api/schemas.py), so the decoder keeps it for this check.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    # OpenAI
-    "suffix": (None, ""),
     "best_of": (None, 1),
-    "audio": (None,),
-    "modalities": (None, ["text"]),
-    "prediction": (None,),
-    "web_search_options": (None,),
-    "verbosity": (None,),
-    "moderation": (None,),
     # vLLM's extensions
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
@@ -33,7 +26,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "spaces_between_special_tokens": (None, True),
-    "prompt_embeds": (None,),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
@@ -42,10 +34,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": (None,),
     "priority": (None, 0),
     "request_id": (None,),
-    "mm_processor_kwargs": (None,),
-    # ------------------------------------------------------------------------------------
-    # Issue #21 (structured outputs, tool calling, reasoning) implements these on its own
-    # branches; until it merges they are refused here. Its merge removes this group.
+    # ---- issue #21 (structured outputs): refused until it merges; its merge removes these --
     "response_format": (None, {"type": "text"}),
     "structured_outputs": (None,),
     "guided_json": (None,),
@@ -54,6 +43,29 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
+    # ---- end of issue #21's group ----
+}
+
+_UNSUPPORTED_COMPLETIONS: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "prompt_embeds": (None,),
+}
+
+_UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    # OpenAI's
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+    "moderation": (None,),
+    # vLLM's chat extensions (``echo`` on completions is implemented)
+    "echo": (None, False),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "chat_template": (None,),
+    "mm_processor_kwargs": (None,),
+    # ---- issue #21 (tools, reasoning): refused until it merges; its merge removes these ----
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),
@@ -62,15 +74,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": (None, {}),
     "reasoning_effort": (None,),
     "include_reasoning": (None, True),
-    # ------------------------------------------------------------------------------------
-}
-
-# Chat only: vLLM's chat extensions (``echo`` on completions is implemented).
-_UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
-    "continue_final_message": (None, False),
-    "documents": (None,),
-    "chat_template": (None,),
+    # ---- end of issue #21's group ----
 }
 
 # Accepted and ignored: none of them changes what bastion returns.
@@ -80,8 +84,7 @@ NO_EFFECT = ("user", "metadata", "store", "service_tier", "safety_identifier",
 
 def check_unsupported(body: dict, chat: bool) -> None:
     """400 naming the first field of ``body`` set to a value bastion does not implement."""
-    tables = (_UNSUPPORTED, _UNSUPPORTED_CHAT) if chat else (_UNSUPPORTED,)
-    for table in tables:
+    for table in (_UNSUPPORTED, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS):
         for name, neutral in table.items():
             if name in body and not _is_neutral(body[name], neutral):
                 raise bad_request(f"{name} is not supported by this server (set it to "
@@ -105,4 +108,4 @@ def _spell(neutral: tuple[Any, ...]) -> str:
 
 def unsupported_fields(chat: bool) -> set[str]:
     """Every field ``check_unsupported`` refuses on that route (for the tests)."""
-    return set(_UNSUPPORTED) | (set(_UNSUPPORTED_CHAT) if chat else set())
+    return set(_UNSUPPORTED) | set(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS)

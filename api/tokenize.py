@@ -16,52 +16,49 @@ from bastion.api.chat import parse_messages, render_prompt
 from bastion.api.config import CLIENT_KEY, MODEL_NAMES_KEY
 from bastion.api.errors import bad_request
 from bastion.api.fields import check_unsupported
-from bastion.api.protocol import check_model, get_bool, read_json
+from bastion.api.protocol import check_model, get, read_body, read_request
+from bastion.api.schemas import DetokenizeRequest, TokenizeRequest
 from bastion.api.serving import off_loop
 
 
-def tokenize_body(request: web.Request, body: dict) -> dict[str, Any]:
+def tokenize_body(request: web.Request, raw: bytes) -> dict[str, Any]:
     client = request.app[CLIENT_KEY]
+    body = read_request(raw, TokenizeRequest)
     check_model(body, request.app[MODEL_NAMES_KEY])
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise bad_request("send exactly one of prompt (a string) or messages (a chat)",
                           "messages" if has_messages else "prompt")
     if has_prompt:
-        prompt = body["prompt"]
-        if not isinstance(prompt, str):
-            raise bad_request(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
         token_ids = client.tokenizer.encode(
-            prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+            body["prompt"], add_special_tokens=get(body, "add_special_tokens", True))
     else:
         check_unsupported(body, chat=True)
         token_ids = render_prompt(client, parse_messages(body["messages"]),
-                                  get_bool(body, "add_generation_prompt", True),
-                                  get_bool(body, "add_special_tokens", False)).token_ids
+                                  get(body, "add_generation_prompt", True),
+                                  get(body, "add_special_tokens", False)).token_ids
     token_strs = None
-    if get_bool(body, "return_token_strs", False):
+    if get(body, "return_token_strs", False):
         token_strs = client.tokenizer.convert_ids_to_tokens(token_ids)
     return {"count": len(token_ids), "max_model_len": client.max_model_len,
             "tokens": token_ids, "token_strs": token_strs}
 
 
-def detokenize_body(request: web.Request, body: dict) -> dict[str, Any]:
+def detokenize_body(request: web.Request, raw: bytes) -> dict[str, Any]:
     client = request.app[CLIENT_KEY]
+    body = read_request(raw, DetokenizeRequest)
     check_model(body, request.app[MODEL_NAMES_KEY])
-    tokens = body.get("tokens")
+    tokens = body["tokens"]
     vocab_size = len(client.tokenizer)
-    if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-            for t in tokens):
+    if not all(t < vocab_size for t in tokens):
         raise bad_request(f"tokens must be a list of token ids in [0, {vocab_size})", "tokens")
     return {"prompt": client.tokenizer.decode(tokens)}
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    return web.json_response(await off_loop(tokenize_body, request, body))
+    return web.json_response(await off_loop(tokenize_body, request, await read_body(request)))
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    return web.json_response(await off_loop(detokenize_body, request, body))
+    return web.json_response(await off_loop(detokenize_body, request,
+                                            await read_body(request)))

@@ -430,7 +430,7 @@ _LONG = " ".join(["word"] * 80)
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
     ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n", None),
-    ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop[0]", None),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options", None),
@@ -448,7 +448,12 @@ _LONG = " ".join(["word"] * 80)
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
-     "messages", None),
+     "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type",
+     None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs", None),
     # The bounds on stop strings (ApiConfig.max_stop_strings, max_stop_len, ...).
@@ -468,7 +473,9 @@ _LONG = " ".join(["word"] * 80)
     ("/v1/completions", b"[" * 5000 + b"]" * 5000, 400, None, None),
     ("/v1/completions", b'{"prompt": "x", "n": 1' + b"0" * 40 + b"}", 400, "n", None),
     ("/v1/completions", b'{"prompt": "x", "seed": -1' + b"0" * 40 + b"}", 400, "seed", None),
-    ("/v1/completions", b'{"prompt": [1' + b"0" * 40 + b"]}", 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": [1' + b"0" * 40 + b"]}", 400, "prompt[0]", None),
+    ("/v1/completions", {"prompt": [1, "x"]}, 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', 400, "temperature", None),
     ("/v1/completions", b'{"prompt": "\\ud800"}', 400, None, None),
     ("/v1/completions", b"\xff\xfe", 400, None, None),
 ])
@@ -759,6 +766,38 @@ async def test_openapi_lists_every_route(serve):
         "$ref": "#/components/schemas/CompletionRequest"}
     assert set(doc["components"]["schemas"]["CompletionRequest"]["properties"]) >= {
         "prompt", "max_tokens", "logprobs", "stream", "stop", "n"}
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert chat["security"] == [{"bearer": []}] and "security" not in doc["paths"]["/health"]["get"]
+    assert chat["parameters"][0]["name"] == "X-Request-Timeout"
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"add_generation_prompt", "tools", "response_format", "logit_bias"} <= set(props)
+    assert props["n"]["anyOf"][0]["maximum"] == ApiConfig().max_n
+
+
+@pytest.mark.parametrize("path, body, schema", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logprobs": 1, "echo": True},
+     "Completion"),
+    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "prompt_logprobs": 1, "n": 2},
+     "Completion"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                              "logprobs": True, "top_logprobs": 2, "prompt_logprobs": 0},
+     "ChatCompletion"),
+    ("/v1/chat/completions", {"messages": []}, "ErrorResponse"),
+    ("/tokenize", {"prompt": "Hi", "return_token_strs": True}, "TokenizeResponse"),
+    ("/detokenize", {"tokens": [1, 2]}, "DetokenizeResponse"),
+])
+async def test_responses_match_the_openapi_document(serve, path, body, schema):
+    import jsonschema
+
+    http, _ = await serve()
+    doc = await (await http.get("/openapi.json")).json()
+    answer = await (await http.post(path, json=body)).json()
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{schema}", "components": doc["components"]})
+    errors = [e.message for e in validator.iter_errors(answer)]
+    assert not errors, errors
+    assert not validator.is_valid({})  # every documented body has required fields
 
 
 # --------------------------------------------------------------------------- fault tolerance

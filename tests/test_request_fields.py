@@ -18,6 +18,7 @@ from openai.types.chat import completion_create_params as openai_chat
 from test_api import serve, sse_events, tokenizer  # noqa: F401 (fixtures)
 
 from bastion.api.fields import NO_EFFECT, unsupported_fields
+from bastion.api.schemas import ChatCompletionRequest, CompletionRequest
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -181,6 +182,11 @@ def test_every_field_is_classified(path):
     assert not set(HONOURED[path]) & refused
     assert set(INERT) == set(NO_EFFECT)
     assert refused <= set(REFUSED_VALUES)
+    # The request type decodes every field the route reads or refuses (one it lacked would be
+    # dropped as unknown, so neither honoured nor refused).
+    fields = set((CompletionRequest if path == COMPLETIONS else ChatCompletionRequest)
+                 .__struct_fields__)
+    assert set(HONOURED[path]) | refused <= fields, sorted((set(HONOURED[path]) | refused) - fields)
 
 
 async def _post(http, path: str, body: dict) -> tuple[int, Any]:

@@ -50,12 +50,12 @@ async def test_chat_messages_give_the_chat_routes_ids(serve, tokenizer):  # noqa
     ("/tokenize", {"prompt": ["x"]}, "prompt"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/tokenize", {"messages": []}, "messages"),
-    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ x }}"}, "chat_template"),
     ("/detokenize", {}, "tokens"),
     ("/detokenize", {"tokens": [49152]}, "tokens"),
-    ("/detokenize", {"tokens": [-1]}, "tokens"),
-    ("/detokenize", {"tokens": [True]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+    ("/detokenize", {"tokens": [True]}, "tokens[0]"),
     ("/detokenize", {"tokens": "1 2"}, "tokens"),
 ])
 async def test_bad_bodies_get_400(serve, path, body, param):  # noqa: F811
