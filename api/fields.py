@@ -4,8 +4,8 @@ A field that would change the output and is not implemented gets a 400 naming it
 request sets it to anything but its neutral values; silently ignoring it would return
 something the client did not ask for. Fields that change nothing bastion returns (OpenAI's
 bookkeeping: ``user``, ``metadata``, ``store``, ...) are accepted and ignored, as vLLM does.
-Every other field the routes read is implemented (``tests/test_request_fields.py`` enumerates OpenAI's
-and vLLM's request fields against these tables).
+Every other field the routes read is implemented (``tests/test_request_fields.py`` enumerates
+OpenAI's and vLLM's request fields against these tables).
 """
 
 from __future__ import annotations

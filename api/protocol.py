@@ -1,8 +1,9 @@
 """Request parsing and validation for ``/v1/completions`` and ``/v1/chat/completions``.
 
 Everything a client can get wrong is caught here or by the request types (api/schemas.py), with
-a 400 that names the field, so bad input never reaches the engine. Field names and defaults follow OpenAI's API plus vLLM's extensions
-(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ...).
+a 400 that names the field, so bad input never reaches the engine. Field names and defaults
+follow OpenAI's API plus vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ...).
 """
 
 from __future__ import annotations

@@ -202,8 +202,8 @@ def test_prompt_logprobs_match_teacher_forced_transformers(prompt_ids, hf_model)
     reference = hf_prompt_logprobs(hf_model, long_ids)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
     plain = SamplingParams(temperature=0.0, max_tokens=1)
-    first, short = chunked.generate([{"prompt_token_ids": ids} for ids in (long_ids, prompt_ids[0])],
-                                    [params, plain])
+    first, short = chunked.generate(
+        [{"prompt_token_ids": ids} for ids in (long_ids, prompt_ids[0])], [params, plain])
     assert short.prompt_logprobs is None
     assert_prompt_logprobs(first.prompt_logprobs, long_ids, reference, 2)
     # Its blocks are cached now: a request with prompt_logprobs skips the cache (a hit would
