@@ -1,5 +1,5 @@
-"""Bearer-token auth: ``api_key`` on ``/v1/*``, ``admin_key`` on ``/fault_tolerance/*`` and
-the LoRA load/unload routes.
+"""Bearer-token auth: ``api_key`` on ``/v1/*``, ``/tokenize`` and ``/detokenize``, ``admin_key`` on
+``/fault_tolerance/*`` and the LoRA load/unload routes.
 
 Without an admin key the control routes answer loopback clients only: they restart processes,
 and a server bound to a public address must not hand that to anyone who can reach its port.
@@ -17,6 +17,8 @@ from bastion.api.errors import ApiError, Handler
 
 # Routes that change what the server runs (vLLM guards its LoRA routes the same way).
 _CONTROL_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# vLLM serves these outside /v1; they expose the model's tokenizer, so they take the API key.
+_TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
 
 def is_control_path(path: str) -> bool:
@@ -28,7 +30,7 @@ def required_key(config: ApiConfig, path: str) -> tuple[str | None, str]:
     """The key guarding ``path`` (None: open) and its name for the error message."""
     if is_control_path(path):
         return config.admin_key or config.api_key, "admin key"
-    if path == "/v1" or path.startswith("/v1/"):
+    if path == "/v1" or path.startswith("/v1/") or path in _TOKENIZER_PATHS:
         return config.api_key, "API key"
     return None, ""
 

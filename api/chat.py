@@ -14,20 +14,22 @@ from bastion.api.chat_output import ChoiceOutput, OutputSpec, check_constraint_w
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
+from bastion.api.fields import check_unsupported
 from bastion.api.lora import LORA_KEY
 from bastion.api.protocol import (
     GenerateRequest,
     Prompt,
     base_sampling_params,
     check_model,
-    check_unsupported,
     fit_to_context,
-    get_bool,
-    get_int,
+    get,
     parse_deadline,
+    parse_prompt_logprobs,
     parse_stream_options,
-    read_json,
+    read_body,
+    read_request,
 )
+from bastion.api.schemas import ChatCompletionRequest
 from bastion.api.serving import (
     Choice,
     Run,
@@ -40,46 +42,32 @@ from bastion.api.serving import (
     stream_sse,
     submit,
     token_text,
+    vllm_prompt_logprobs,
     with_usage_field,
 )
 from bastion.api.tools import ToolRequest, parse_tools, tool_message_fields, with_tool_constraint
 from bastion.core.output_processor import SeqDelta
 from bastion.core.outputs import TokenLogprob
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
 
-
-def parse_messages(value: Any) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: role and plain-text content, and the
-    fields of tool calls and their results (api/tools.py)."""
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages must be a non-empty list of message objects", "messages")
+def parse_messages(value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: role and plain-text content (roles and
+    content types were checked when decoding), and the fields of tool calls and their results
+    (api/tools.py)."""
     messages = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise bad_request(f"messages[{i}] must be an object with role and content", "messages")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}; "
-                              f"got {role!r}", "messages")
-        content = _content_text(message.get("content"), i, role)
+        role = message["role"]
+        content = message.get("content")
+        if content is None and role != "assistant":
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts "
+                              '({"type": "text", "text": ...}); only an assistant turn may omit '
+                              "it", f"messages[{i}].content")
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
         # "developer" is OpenAI's newer name for "system"; templates know only the latter.
-        messages.append({"role": "system" if role == "developer" else role, "content": content,
-                         **tool_message_fields(message, i, role)})
+        messages.append({"role": "system" if role == "developer" else role,
+                         "content": content or "", **tool_message_fields(message, i, role)})
     return messages
-
-
-def _content_text(content: Any, i: int, role: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts "
-                      '({"type": "text", "text": ...}); only text is supported', "messages")
 
 
 # What a request's chat_template_kwargs may not set: apply_chat_template's own parameters.
@@ -92,9 +80,6 @@ def parse_chat_template_kwargs(body: dict) -> dict[str, Any]:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return {}
-    if not isinstance(kwargs, dict):
-        raise bad_request("chat_template_kwargs must be an object of template variables",
-                          "chat_template_kwargs")
     reserved = sorted(_TEMPLATE_CALL_ARGS & set(kwargs))
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}; send them "
@@ -103,8 +88,11 @@ def parse_chat_template_kwargs(body: dict) -> dict[str, Any]:
 
 
 def render_prompt(client: EngineClient, messages: list[dict[str, Any]],
-                  add_generation_prompt: bool, tools: ToolRequest | None = None,
+                  add_generation_prompt: bool, add_special_tokens: bool = False,
+                  tools: ToolRequest | None = None,
                   template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    """The chat template's text and its ids; the template writes the special tokens itself,
+    so by default (vLLM's) the tokenizer adds none."""
     try:
         text = client.tokenizer.apply_chat_template(
             messages, tools=tools.tools if tools is not None else None, tokenize=False,
@@ -112,45 +100,47 @@ def render_prompt(client: EngineClient, messages: list[dict[str, Any]],
     except Exception as exc:  # noqa: BLE001 (jinja2 errors, the template's raise_exception())
         raise bad_request(f"The chat template could not render these messages: {exc}",
                           "messages") from None
-    return Prompt(client.tokenizer.encode(text, add_special_tokens=False), text)
+    return Prompt(client.tokenizer.encode(text, add_special_tokens=add_special_tokens), text)
 
 
-def parse_chat_request(request: web.Request, body: dict) -> GenerateRequest:
+def parse_chat_request(request: web.Request, raw: bytes) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
+    body = read_request(raw, ChatCompletionRequest)
     model = check_model(body, request.app[MODEL_NAMES_KEY], request.app[LORA_KEY].adapters)
     body = apply_generation_defaults(body, config.generation_defaults)
-    check_unsupported(body)
-    messages = parse_messages(body.get("messages"))
+    check_unsupported(body, chat=True)
+    messages = parse_messages(body["messages"])
     tools = parse_tools(body, config)
     template_kwargs = parse_chat_template_kwargs(body)
-    logprobs = get_bool(body, "logprobs", False)
-    top_logprobs = get_int(body, "top_logprobs")
+    logprobs = get(body, "logprobs", False)
+    top_logprobs = get(body, "top_logprobs")
     if top_logprobs is not None:
         if not logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if not 0 <= top_logprobs <= config.max_logprobs:
+        if top_logprobs > config.max_logprobs:
             raise bad_request(f"top_logprobs must be in [0, {config.max_logprobs}], got "
                               f"{top_logprobs}", "top_logprobs")
-    max_tokens = get_int(body, "max_completion_tokens")
+    max_tokens = get(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens")
-    stream = get_bool(body, "stream", False)
+        max_tokens = get(body, "max_tokens")
+    stream = get(body, "stream", False)
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
+    prompt_logprobs = parse_prompt_logprobs(body, config, stream)
     base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
-                                max_tokens)
+                                max_tokens, len(client.tokenizer), prompt_logprobs)
     check_constraint_with_reasoning(base, config)  # before the tools add theirs
     base = with_tool_constraint(base, tools)
-    prompt = render_prompt(client, messages, get_bool(body, "add_generation_prompt", True),
-                           tools, template_kwargs)
+    prompt = render_prompt(client, messages, get(body, "add_generation_prompt", True),
+                           get(body, "add_special_tokens", False), tools, template_kwargs)
     params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
                             "messages")
     chat_output = None
     if tools is not None or config.reasoning_parser is not None:
         chat_output = OutputSpec(config, tools, prompt.text)
     return GenerateRequest(model, [prompt], [params], stream, include_usage, deadline,
-                           top_logprobs=top_logprobs if logprobs else None,
-                           chat_output=chat_output,
+                           top_logprobs=(top_logprobs or 0) if logprobs else None,
+                           prompt_logprobs=prompt_logprobs, chat_output=chat_output,
                            lora_request=request.app[LORA_KEY].get(model))
 
 
@@ -230,14 +220,18 @@ def chat_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
         body_choices.append({"index": choice.index, "message": message,
                              "logprobs": logprobs, "finish_reason": finish_reason,
                              "stop_reason": choice.stop_reason})
-    return {"id": run.request_id, "object": "chat.completion", "created": run.created,
+    body = {"id": run.request_id, "object": "chat.completion", "created": run.created,
             "model": run.model, "choices": body_choices, "usage": run.usage()}
+    if run.req.prompt_logprobs is not None:  # vLLM's: one prompt, so on the response
+        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs,
+                                                       run.req.prompt_logprobs)
+    return body
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     reject_if_draining(request.app)
-    body = await read_json(request)
-    req = await off_loop(parse_chat_request, request, body)
+    raw = await read_body(request)
+    req = await off_loop(parse_chat_request, request, raw)
     client = request.app[CLIENT_KEY]
     run = await submit(client, request.app[METRICS_KEY], f"chatcmpl-{uuid.uuid4().hex}",
                        req.model, req)

@@ -11,19 +11,21 @@ from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
 from bastion.api.lora import LORA_KEY
+from bastion.api.fields import check_unsupported
 from bastion.api.protocol import (
     GenerateRequest,
     Prompt,
     base_sampling_params,
     check_model,
-    check_unsupported,
     fit_to_context,
-    get_bool,
-    get_int,
+    get,
     parse_deadline,
+    parse_prompt_logprobs,
     parse_stream_options,
-    read_json,
+    read_body,
+    read_request,
 )
+from bastion.api.schemas import CompletionRequest
 from bastion.api.serving import (
     Choice,
     Run,
@@ -36,6 +38,8 @@ from bastion.api.serving import (
     stream_sse,
     submit,
     token_text,
+    top_entries,
+    vllm_prompt_logprobs,
     with_usage_field,
 )
 from bastion.core.output_processor import SeqDelta
@@ -46,13 +50,15 @@ _PROMPT_FORMS = ("prompt must be a non-empty string, a list of strings, a list o
                  "a list of lists of token ids")
 
 
-def parse_prompts(value: Any, client: EngineClient, max_num_prompts: int) -> list[Prompt]:
+def parse_prompts(value: str | list, client: EngineClient, max_num_prompts: int,
+                  add_special_tokens: bool = True) -> list[Prompt]:
+    """The request's prompts (their types and non-emptiness checked when decoding); one
+    request holds one form only, and token ids must be in the vocabulary."""
     if isinstance(value, str):
         items: list[Any] = [value]
-    elif isinstance(value, list) and value and all(_is_token_id(v) for v in value):
+    elif all(isinstance(v, int) for v in value):
         items = [value]
-    elif isinstance(value, list) and value and (all(isinstance(v, str) for v in value)
-                                                or all(isinstance(v, list) for v in value)):
+    elif all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value):
         items = value
     else:
         raise bad_request(_PROMPT_FORMS, "prompt")
@@ -63,66 +69,75 @@ def parse_prompts(value: Any, client: EngineClient, max_num_prompts: int) -> lis
     prompts = []
     for item in items:
         if isinstance(item, str):
-            if not item:
-                raise bad_request("prompt must not be empty", "prompt")
-            prompts.append(Prompt(client.tokenizer.encode(item), item))
+            prompts.append(Prompt(client.tokenizer.encode(
+                item, add_special_tokens=add_special_tokens), item))
             continue
-        if not item or not all(_is_token_id(t) and t < vocab_size for t in item):
+        if not item or not all(t < vocab_size for t in item):
             raise bad_request(f"a token-id prompt must be a non-empty list of integers in "
                               f"[0, {vocab_size})", "prompt")
         prompts.append(Prompt(list(item), None))
     return prompts
 
 
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def parse_completion_request(request: web.Request, body: dict) -> GenerateRequest:
+def parse_completion_request(request: web.Request, raw: bytes) -> GenerateRequest:
     config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
+    body = read_request(raw, CompletionRequest)
     model = check_model(body, request.app[MODEL_NAMES_KEY], request.app[LORA_KEY].adapters)
     body = apply_generation_defaults(body, config.generation_defaults)
-    check_unsupported(body)
-    if body.get("prompt") is None:
-        raise bad_request("prompt is required", "prompt")
-    prompts = parse_prompts(body["prompt"], client, config.max_num_prompts)
-    echo = get_bool(body, "echo", False)
-    logprobs = get_int(body, "logprobs")
-    if logprobs is not None and logprobs < 0:
-        raise bad_request(f"logprobs must be in [0, {config.max_logprobs}], got {logprobs}",
-                          "logprobs")
-    if echo and logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)",
-                          "echo")
-    max_tokens = get_int(body, "max_tokens")
+    check_unsupported(body, chat=False)
+    prompts = parse_prompts(body["prompt"], client, config.max_num_prompts,
+                            get(body, "add_special_tokens", True))
+    echo = get(body, "echo", False)
+    logprobs = get(body, "logprobs")
+    max_tokens = get(body, "max_tokens")
     # OpenAI's legacy API (and vLLM) stop at 16 tokens when max_tokens is absent; an explicit
     # null fills the context, as chat does by default.
     default = None if "max_tokens" in body else DEFAULT_COMPLETION_MAX_TOKENS
-    stream = get_bool(body, "stream", False)
+    stream = get(body, "stream", False)
     include_usage = parse_stream_options(body, stream)
     deadline = parse_deadline(request, body)
-    base = base_sampling_params(body, config, logprobs, max_tokens)
+    prompt_logprobs = parse_prompt_logprobs(body, config, stream)
+    # OpenAI's echo with logprobs scores the echoed prompt too: the engine computes the larger
+    # top-k of the two asks, each part of the answer keeps its own.
+    engine_k = prompt_logprobs
+    if echo and logprobs is not None:
+        engine_k = max(logprobs, prompt_logprobs or 0)
+    base = base_sampling_params(body, config, logprobs, max_tokens, len(client.tokenizer),
+                                engine_k)
     params = [fit_to_context(base, len(p.token_ids), client.max_model_len, max_tokens, "prompt",
                              default) for p in prompts]
     return GenerateRequest(model, prompts, params, stream, include_usage, deadline, echo,
+                           prompt_logprobs=prompt_logprobs,
                            lora_request=request.app[LORA_KEY].get(model))
 
 
-def completion_logprobs(entries: list[dict[int, TokenLogprob]], text_offset: int
-                        ) -> tuple[dict[str, Any], int]:
-    """OpenAI's legacy shape; ``top_logprobs`` holds the top-N plus the sampled token."""
+def completion_logprobs(entries: list[dict[int, TokenLogprob] | None], text_offset: int,
+                        k: int, first_text: str = "") -> tuple[dict[str, Any], int]:
+    """OpenAI's legacy shape; ``top_logprobs`` holds the top-``k`` plus the sampled token.
+    A ``None`` entry is the first prompt token of an echo (text ``first_text``, scored null)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for entry in entries:
-        sampled = next(iter(entry.values()))
-        text = token_text(sampled)
+        if entry is None:
+            text, logprob, top = first_text, None, None
+        else:
+            ranked = top_entries(entry, k)
+            text, logprob = token_text(ranked[0]), ranked[0].logprob
+            top = {token_text(e): e.logprob for e in sorted(ranked, key=lambda e: e.rank)}
         tokens.append(text)
-        token_logprobs.append(sampled.logprob)
-        top_logprobs.append({token_text(e): e.logprob for e in
-                             sorted(entry.values(), key=lambda e: e.rank)})
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}, text_offset
+
+
+def _echo_entries(run: Run, choice: Choice) -> tuple[list[dict[int, TokenLogprob] | None], str]:
+    """The prompt's logprob entries for an echo with logprobs, and its first token's text."""
+    if not (run.req.echo and run.req.params[0].logprobs is not None):
+        return [], ""
+    first_id = run.req.prompts[choice.prompt_index].token_ids[0]
+    return choice.prompt_logprobs or [], run.tokenizer.decode([first_id])
 
 
 class CompletionStreamFormatter:
@@ -130,9 +145,11 @@ class CompletionStreamFormatter:
 
     def __init__(self) -> None:
         self._text_offsets: dict[int, int] = {}
+        self._echoed: set[int] = set()
 
     def start_chunks(self, run: Run) -> list[dict[str, Any]]:
-        if not run.req.echo:
+        # With logprobs the echo waits for the first delta, which brings the prompt's.
+        if not run.req.echo or run.req.params[0].logprobs is not None:
             return []
         return [self._chunk(run, c.index, _prompt_text(run, c), None, None, None)
                 for c in run.choices]
@@ -140,12 +157,19 @@ class CompletionStreamFormatter:
     def chunk(self, run: Run, choice: Choice, delta: SeqDelta) -> dict[str, Any] | None:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
-        logprobs = None
-        if run.req.params[0].logprobs is not None:
+        text, logprobs, k = delta.text, None, run.req.params[0].logprobs
+        entries: list[dict[int, TokenLogprob] | None] = list(delta.logprobs or [])
+        first_text = ""
+        if run.req.echo and k is not None and choice.index not in self._echoed:
+            self._echoed.add(choice.index)
+            prompt_entries, first_text = _echo_entries(run, choice)
+            text = _prompt_text(run, choice) + text
+            entries = [*prompt_entries, *entries]
+        if k is not None:
             offset = self._text_offsets.get(choice.index, 0)
             logprobs, self._text_offsets[choice.index] = completion_logprobs(
-                delta.logprobs or [], offset)
-        return self._chunk(run, choice.index, delta.text, logprobs, delta.finish_reason,
+                entries, offset, k, first_text)
+        return self._chunk(run, choice.index, text, logprobs, delta.finish_reason,
                            delta.stop_reason)
 
     def _chunk(self, run: Run, index: int, text: str, logprobs: dict | None,
@@ -165,22 +189,28 @@ def _prompt_text(run: Run, choice: Choice) -> str:
 
 def completion_response(run: Run, choices: list[Choice]) -> dict[str, Any]:
     body_choices = []
+    k = run.req.params[0].logprobs
     for choice in choices:
         text = (_prompt_text(run, choice) if run.req.echo else "") + choice.text
         logprobs = None
-        if run.req.params[0].logprobs is not None:
-            logprobs, _ = completion_logprobs(choice.logprobs, 0)
-        body_choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
-                             "finish_reason": choice.finish_reason,
-                             "stop_reason": choice.stop_reason})
+        if k is not None:
+            prompt_entries, first_text = _echo_entries(run, choice)
+            logprobs, _ = completion_logprobs([*prompt_entries, *choice.logprobs], 0, k,
+                                              first_text)
+        body_choice = {"index": choice.index, "text": text, "logprobs": logprobs,
+                       "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        if run.req.prompt_logprobs is not None:
+            body_choice["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs,
+                                                                  run.req.prompt_logprobs)
+        body_choices.append(body_choice)
     return {"id": run.request_id, "object": "text_completion", "created": run.created,
             "model": run.model, "choices": body_choices, "usage": run.usage()}
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     reject_if_draining(request.app)
-    body = await read_json(request)
-    req = await off_loop(parse_completion_request, request, body)
+    raw = await read_body(request)
+    req = await off_loop(parse_completion_request, request, raw)
     client = request.app[CLIENT_KEY]
     run = await submit(client, request.app[METRICS_KEY], f"cmpl-{uuid.uuid4().hex}", req.model,
                        req)

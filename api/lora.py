@@ -17,7 +17,8 @@ from aiohttp import web
 
 from bastion.api.config import CLIENT_KEY, MODEL_NAMES_KEY
 from bastion.api.errors import ApiError, bad_request
-from bastion.api.protocol import get_str, read_json
+from bastion.api.protocol import read_body, read_request
+from bastion.api.schemas import LoadLoRAAdapter, UnloadLoRAAdapter
 from bastion.ipc.messages import LoRARequest
 
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -92,8 +93,8 @@ async def load_adapter(app: web.Application, name: str, path: str) -> LoRAReques
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    name, path = get_str(body, "lora_name"), get_str(body, "lora_path")
+    body = read_request(await read_body(request), LoadLoRAAdapter)
+    name, path = body["lora_name"], body["lora_path"]
     if not name or not path:
         raise bad_request(
             "Both 'lora_name' and 'lora_path' must be provided.",
@@ -105,8 +106,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     """New requests may no longer name the adapter; those already accepted finish with it."""
-    body = await read_json(request)
-    name = get_str(body, "lora_name")
+    body = read_request(await read_body(request), UnloadLoRAAdapter)
+    name = body["lora_name"]
     if not name:
         raise bad_request("'lora_name' must be provided.", "lora_name")
     registry = request.app[LORA_KEY]

@@ -1,8 +1,9 @@
 """Request parsing and validation for ``/v1/completions`` and ``/v1/chat/completions``.
 
-Everything a client can get wrong is caught here, with a 400 that names the field, so bad input
-never reaches the engine. Field names and defaults follow OpenAI's API plus vLLM's extensions
-(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ...).
+Everything a client can get wrong is caught here or by the request types (api/schemas.py), with
+a 400 that names the field, so bad input never reaches the engine. Field names and defaults
+follow OpenAI's API plus vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ...).
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ from aiohttp import web
 from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.connections import with_idle_timeout
 from bastion.api.errors import ApiError, bad_request
+from bastion.api.schemas import fields_set
 from bastion.core.stop_matcher import stop_automaton
 from bastion.ipc.messages import InvalidParam, LoRARequest, SamplingParams
-
-_MAX_INT = 2**63  # NOTE: ints cross to the engine as msgpack int64; larger ones cannot travel
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass
@@ -46,6 +45,7 @@ class GenerateRequest:
     top_logprobs: int | None = None  # chat only: OpenAI's top-N, separate from the sampled one
     chat_output: Any = None  # chat only: an api.chat_output.OutputSpec (tools, reasoning)
     lora_request: LoRARequest | None = None  # ``model`` named a LoRA adapter
+    prompt_logprobs: int | None = None  # vLLM's field, for the response's prompt_logprobs
 
     @property
     def n(self) -> int:
@@ -91,75 +91,42 @@ def decode_json(raw: bytes, into: Any = Any) -> Any:
 
 
 def _error_param(exc: msgspec.ValidationError) -> str | None:
-    """The top-level field a msgspec error names (``... - at `$.params.x` ``, ``unknown field
-    `x` ``), if any."""
-    message = str(exc)
-    _, sep, path = message.rpartition("at `$.")
-    for marker in ("unknown field `", "missing required field `"):
-        if not sep:
-            _, sep, path = message.rpartition(marker)
+    """The path of the field a msgspec error names, as ``messages[0].role`` (``... - at
+    `$.messages[0]` `` plus ``missing required field `role` ``), if any."""
+    message, sep, at = str(exc).rpartition(" - at `$")
+    # msgspec writes a dict value's place as "[...]": the field is the dict.
+    path = at.rstrip("`").lstrip(".").replace("[...]", "") if sep else ""
     if not sep:
-        return None
-    return path.rstrip("`").split(".")[0].split("[")[0] or None
+        message = str(exc)
+    for marker in ("unknown field `", "missing required field `"):
+        if marker in message:
+            name = message.split(marker, 1)[1].split("`", 1)[0]
+            return f"{path}.{name}" if path else name
+    return path or None
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object (see ``read_body`` and ``decode_json`` for the errors)."""
-    body = decode_json(await read_body(request))
-    if not isinstance(body, dict):
-        raise bad_request(f"Request body must be a JSON object, got {type(body).__name__}")
+def read_request(raw: bytes, into: type[msgspec.Struct]) -> dict[str, Any]:
+    """A request body decoded and validated as the Struct ``into`` (api/schemas.py), as a
+    dict of the fields the client sent; every way that fails is a 400 naming the field."""
+    body = fields_set(decode_json(raw, into))
+    for name, value in body.items():
+        # NOTE: JSON has no infinity, but 1e999 decodes to one.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value}", name)
     return body
 
 
-# ------------------------------------------------------------------------------ typed getters
-
-
-def get_int(body: dict, name: str, default: int | None = None) -> int | None:
+def get(body: dict, name: str, default: Any = None) -> Any:
+    """``body[name]``, or ``default`` when it is absent or null (types were checked when the
+    body was decoded)."""
     value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer, got {value!r}", name)
-    if not -_MAX_INT <= value < _MAX_INT:
-        raise bad_request(f"{name} must fit in 64 bits, got {value}", name)
-    return value
-
-
-def get_float(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"{name} must be a finite number, got {value!r}", name)
-    return float(value)
-
-
-def get_bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be true or false, got {value!r}", name)
-    return value
-
-
-def get_str(body: dict, name: str, default: str | None = None) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise bad_request(f"{name} must be a string, got {value!r}", name)
-    return value
+    return default if value is None else value
 
 
 def _stop_strings(body: dict, config: ApiConfig) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
+    stop = get(body, "stop", [])
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise bad_request("stop must be a string or a list of strings", "stop")
     # The front end matches every stop string of every sequence on each token; the bounds keep
     # one request's share of that work (and of the automaton's memory) small.
     if len(stop) > config.max_stop_strings:
@@ -177,50 +144,38 @@ def _stop_strings(body: dict, config: ApiConfig) -> list[str]:
 
 
 def _int_list(body: dict, name: str, max_len: int) -> list[int]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(_is_int(v) and 0 <= v < _MAX_INT for v in value):
-        raise bad_request(f"{name} must be a list of non-negative integers", name)
+    value = get(body, name, [])
     if len(value) > max_len:
         raise bad_request(f"{name} may hold at most {max_len} ids, got {len(value)}", name)
     return value
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's map of token ids (decimal strings) to a bias in [-100, 100]."""
+    value = get(body, "logit_bias", {})
+    bias: dict[int, float] = {}
+    for key, number in value.items():  # the values' range was checked when decoding
+        # Only canonical decimals: "7" and "07" would otherwise be two entries for one id.
+        if not (key.isdecimal() and str(int(key)) == key and int(key) < vocab_size):
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}) written "
+                              f"as decimal strings, got {key!r}", "logit_bias")
+        bias[int(key)] = number
+    return bias or None
 
 
 # ------------------------------------------------------------------------- common parameters
-
-# Fields whose non-default values would change the output in ways bastion does not implement;
-# silently ignoring them would return something the client did not ask for.
-_UNSUPPORTED = {
-    "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "best_of": (None, 1),
-    "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-}
-
 
 def check_model(body: dict, served_model_names: tuple[str, ...],
                 adapters: Collection[str] = ()) -> str:
     """The request's ``model`` must be one of the served names (answers carry the first) or a
     loaded LoRA adapter's name (answers carry it)."""
-    model = get_str(body, "model", served_model_names[0])
+    model = get(body, "model", served_model_names[0])
     if model in adapters:
         return model
     if model not in served_model_names:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                        f"`{served_model_names[0]}`", "model", "model_not_found")
     return served_model_names[0]
-
-
-def check_unsupported(body: dict) -> None:
-    for name, accepted in _UNSUPPORTED.items():
-        if name in body and body[name] not in accepted:
-            raise bad_request(f"{name} is not supported by this server", name)
 
 
 def parse_deadline(request: web.Request, body: dict) -> float | None:
@@ -233,14 +188,28 @@ def parse_deadline(request: web.Request, body: dict) -> float | None:
         except ValueError:
             raise bad_request(f"X-Request-Timeout must be a number of seconds, got {header!r}",
                               "timeout") from None
-    elif body.get("timeout") is not None:
-        timeout = get_float(body, "timeout", 0.0)
+    else:
+        timeout = get(body, "timeout")
     if timeout is None:
         return None
     if not math.isfinite(timeout) or timeout <= 0:
         raise bad_request(f"timeout must be a positive number of seconds, got {timeout}",
                           "timeout")
     return time.time() + timeout
+
+
+def parse_prompt_logprobs(body: dict, config: ApiConfig, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: top-k per prompt token, for non-streamed answers."""
+    k = get(body, "prompt_logprobs")
+    if k is None:
+        return None
+    if k > config.max_logprobs:
+        raise bad_request(f"prompt_logprobs must be in [0, {config.max_logprobs}], got {k}",
+                          "prompt_logprobs")
+    if stream:
+        raise bad_request("prompt_logprobs is not available when stream is true",
+                          "prompt_logprobs")
+    return k
 
 
 def parse_stream_options(body: dict, stream: bool) -> bool:
@@ -250,15 +219,15 @@ def parse_stream_options(body: dict, stream: bool) -> bool:
         return False
     if not stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
-    if not isinstance(options, dict):
-        raise bad_request("stream_options must be an object", "stream_options")
-    return get_bool(options, "include_usage", False)
+    return get(options, "include_usage", False)
 
 
 def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
-                         max_tokens: int | None) -> SamplingParams:
-    """Everything but the per-prompt ``max_tokens`` (checked later against the context)."""
-    n = get_int(body, "n", 1)
+                         max_tokens: int | None, vocab_size: int,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+    """Everything but the per-prompt ``max_tokens`` (checked later against the context);
+    ``vocab_size`` bounds the token ids of ``logit_bias``."""
+    n = get(body, "n", 1)
     if n > config.max_n:
         raise bad_request(f"n must be at most {config.max_n}, got {n}", "n")
     if logprobs is not None and logprobs > config.max_logprobs:
@@ -269,22 +238,24 @@ def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
     try:
         return SamplingParams(
             n=n,
-            temperature=get_float(body, "temperature", 1.0),
-            top_p=get_float(body, "top_p", 1.0),
-            top_k=get_int(body, "top_k", 0),
-            min_p=get_float(body, "min_p", 0.0),
-            seed=get_int(body, "seed"),
-            presence_penalty=get_float(body, "presence_penalty", 0.0),
-            frequency_penalty=get_float(body, "frequency_penalty", 0.0),
-            repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+            temperature=get(body, "temperature", 1.0),
+            top_p=get(body, "top_p", 1.0),
+            top_k=get(body, "top_k", 0),
+            min_p=get(body, "min_p", 0.0),
+            seed=get(body, "seed"),
+            presence_penalty=get(body, "presence_penalty", 0.0),
+            frequency_penalty=get(body, "frequency_penalty", 0.0),
+            repetition_penalty=get(body, "repetition_penalty", 1.0),
             max_tokens=max_tokens,
-            min_tokens=get_int(body, "min_tokens", 0),
+            min_tokens=get(body, "min_tokens", 0),
             stop=_stop_strings(body, config),
             stop_token_ids=_int_list(body, "stop_token_ids", config.max_stop_token_ids),
-            ignore_eos=get_bool(body, "ignore_eos", False),
+            ignore_eos=get(body, "ignore_eos", False),
             logprobs=logprobs,
-            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            include_stop_str_in_output=get(body, "include_stop_str_in_output", False),
+            skip_special_tokens=get(body, "skip_special_tokens", True),
+            logit_bias=_logit_bias(body, vocab_size),
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidParam as exc:
         raise bad_request(str(exc), exc.param) from None

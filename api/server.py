@@ -38,6 +38,7 @@ from bastion.api.fault_tolerance import (
 from bastion.api.lora import add_lora_routes, model_entries
 from bastion.api.metrics import CONTENT_TYPE, ApiMetrics
 from bastion.api.openapi import openapi_document
+from bastion.api.tokenize import detokenize, tokenize
 
 _STARTED_KEY = web.AppKey("bastion_started", int)
 
@@ -100,6 +101,8 @@ def build_app(client: EngineClient, config: ApiConfig,
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)

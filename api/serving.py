@@ -43,6 +43,7 @@ class Choice:
     logprobs: list[dict[int, TokenLogprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None
 
 
 class Run:
@@ -69,6 +70,8 @@ class Run:
             choice.token_ids.extend(delta.token_ids)
             if delta.logprobs:
                 choice.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             if delta.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
             self.tracker.on_delta(choice.index, delta)
@@ -316,3 +319,20 @@ def with_usage_field(run: Run, chunk: dict[str, Any]) -> dict[str, Any]:
 
 def token_text(entry: TokenLogprob) -> str:
     return entry.decoded if entry.decoded is not None else f"token_id:{entry.token_id}"
+
+
+def top_entries(entry: dict[int, TokenLogprob], k: int) -> list[TokenLogprob]:
+    """The entry's own token (listed first) and its top ``k`` by rank."""
+    own = next(iter(entry.values()))
+    return [own, *(e for e in entry.values() if e is not own and e.rank <= k)]
+
+
+def vllm_prompt_logprobs(entries: list[dict[int, TokenLogprob] | None] | None, k: int
+                         ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first), token id ->
+    ``{logprob, rank, decoded_token}`` for that token and the top ``k``."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(e)}
+        for e in top_entries(entry, k)} for entry in entries]

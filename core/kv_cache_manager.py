@@ -65,7 +65,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of full blocks. At least one token is always left to compute,
         since the last prompt position must run through the model to give logits."""
-        if not self.enable_caching:
+        # NOTE: a request that asked for prompt logprobs computes every prompt position (vLLM
+        # skips the cache for it too): a cached block has no logits.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return ComputedBlocks([], 0)
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

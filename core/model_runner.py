@@ -17,7 +17,13 @@ from bastion.core.cuda_graphs import CUDAGraphRunner, DecodeInputs, default_capt
 from bastion.core.forward_context import AttentionMetadata, set_forward_context
 from bastion.core.loader import get_max_model_len, load_model, resolve_model
 from bastion.core.lora.manager import LoRAManager
-from bastion.core.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_tokens
+from bastion.core.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_logprobs,
+    greedy_tokens,
+)
 from bastion.core.spec_decode.draft_model import DraftModelProposer
 from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
@@ -26,12 +32,17 @@ from bastion.ipc.messages import (
     Logprobs,
     LoRARequest,
     ModelRunnerOutput,
+    PromptLogprobs,
     SamplingParams,
     SchedulerOutput,
 )
 from bastion.ops.communicator import get_tp_group
 
 logger = logging.getLogger(__name__)
+
+# Prompt logprobs go through the LM head this many positions at a time, so a long prefill chunk
+# never holds its whole [tokens, vocab] logits at once (2048 x 152k float32 would be 1.2 GiB).
+_PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
@@ -94,7 +105,8 @@ def _needs_output_ids(params: SamplingParams) -> bool:
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    return params.is_greedy and params.logprobs is None and not _needs_output_ids(params)
+    return (params.is_greedy and params.logprobs is None and not _needs_output_ids(params)
+            and not params.logit_bias)
 
 
 class StepHandle:
@@ -108,8 +120,10 @@ class StepHandle:
     """
 
     def __init__(self, step_id: int, states: list[CachedRequestState] | None = None,
-                 out: SamplerOutput | None = None) -> None:
+                 out: SamplerOutput | None = None,
+                 prompt_logprobs: list[PromptLogprobs] | None = None) -> None:
         self.step_id = step_id
+        self.prompt_logprobs = prompt_logprobs or []
         self.states = states or []
         self.sampled = None if out is None else out.sampled_token_ids  # stays on the device
         self._event = None
@@ -117,7 +131,7 @@ class StepHandle:
         self._lock = threading.Lock()
         if out is None:
             self._host = None
-            self._output = ModelRunnerOutput(step_id=step_id)
+            self._output = ModelRunnerOutput(step_id=step_id, prompt_logprobs=self.prompt_logprobs)
             return
         tensors = [out.sampled_token_ids]
         if out.logprobs is not None:
@@ -158,7 +172,7 @@ class StepHandle:
                 if k is not None:
                     logprobs[i] = Logprobs([ids[i][:k + 1]], [lps[i][:k + 1]], [ranks[i]])
         return ModelRunnerOutput([s.request_id for s in self.states], token_ids, logprobs,
-                                 self.step_id)
+                                 self.step_id, prompt_logprobs=self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -396,6 +410,7 @@ class ModelRunner:
             return StepHandle(sched.step_id)
         prev = self.inflight[-1].sampled if self.inflight else None
         decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
+        prompt_logprobs: list[PromptLogprobs] = []  # decode steps have no prompt positions
         if decode is not None:
             states, inputs = decode
             self._set_lora_rows(states, [1] * len(states),
@@ -408,14 +423,15 @@ class ModelRunner:
                                 batch.input_ids.shape[0])
             with set_forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
+            prompt_logprobs = self._prompt_logprobs(sched, hidden, batch.meta)
             if not batch.sample_ids:
-                return StepHandle(sched.step_id)
+                return StepHandle(sched.step_id, prompt_logprobs=prompt_logprobs)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
         if any(s.needs_output_ids and s.num_pending for s in states):
             self._fold_tokens(keep=0)  # penalties and min_tokens read every token so far
         out = _sync_sampled_tokens(self._sample(logits, states))
-        handle = StepHandle(sched.step_id, states, out)
+        handle = StepHandle(sched.step_id, states, out, prompt_logprobs)
         for row, state in enumerate(states):
             state.num_pending += 1
             state.pending_row = row
@@ -439,6 +455,7 @@ class ModelRunner:
                   and self._can_replay(sched, 0) else None)
         verify_batch = (self._prepare_verify(sched, spec) if decode is None
                         and self.verify_graph_runner is not None else None)
+        prompt_logprobs: list[PromptLogprobs] = []
         if decode is not None:
             states, inputs = decode
             logits = self.model.compute_logits(self.graph_runner.run(inputs, None, 0))
@@ -458,8 +475,9 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions)
             if self.drafter is not None:
                 self.drafter.shadow(batch.input_ids, batch.positions, batch.meta)
+            prompt_logprobs = self._prompt_logprobs(sched, hidden, batch.meta)
             if not batch.sample_ids:
-                return StepHandle(sched.step_id)
+                return StepHandle(sched.step_id, prompt_logprobs=prompt_logprobs)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
         requests = []
@@ -481,7 +499,7 @@ class ModelRunner:
             drafts = [self.proposer.propose(s.token_ids) for s in states]
         return StepHandle.ready(ModelRunnerOutput(
             [s.request_id for s in states], [], result.logprobs, sched.step_id,
-            result.token_ids, drafts))
+            result.token_ids, drafts, prompt_logprobs))
 
     def _prepare_verify(self, sched: SchedulerOutput, spec: dict[str, list[int]]
                         ) -> tuple[list[CachedRequestState], DecodeInputs, np.ndarray] | None:
@@ -569,6 +587,38 @@ class ModelRunner:
         with set_forward_context(meta):
             self.model(torch.zeros(num_rows, dtype=torch.long, device=dev),
                        torch.zeros(num_rows, dtype=torch.long, device=dev))
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> list[PromptLogprobs]:
+        """For each request that asked, the logprobs of the prompt tokens its chunk predicts:
+        the logits at position p (up to the prompt's second-to-last) score prompt token p + 1.
+
+        NOTE: synchronous (the rows go to the host here); only such requests pay for it.
+        """
+        parts = []
+        qsl = meta.query_start_loc_cpu
+        for i, request_id in enumerate(sched.num_scheduled_tokens):
+            state = self.requests[request_id]
+            k = state.params.prompt_logprobs
+            start = state.num_computed_tokens
+            stop = min(start + qsl[i + 1] - qsl[i], len(state.prompt_token_ids) - 1)
+            if k is None or stop <= start:
+                continue
+            targets = torch.tensor(state.prompt_token_ids[start + 1:stop + 1],
+                                   dtype=torch.int64, device=hidden.device)
+            rows = hidden[qsl[i]:qsl[i] + stop - start]
+            ids: list[list[int]] = []
+            values: list[list[float]] = []
+            ranks: list[int] = []
+            for j in range(0, len(rows), _PROMPT_LOGPROBS_ROWS):
+                logits = self.model.compute_logits(rows[j:j + _PROMPT_LOGPROBS_ROWS])
+                lp = compute_logprobs(logits.float().log_softmax(dim=-1),
+                                      targets[j:j + _PROMPT_LOGPROBS_ROWS], k)
+                ids += lp.token_ids.tolist()
+                values += lp.logprobs.tolist()
+                ranks += lp.ranks.tolist()
+            parts.append(PromptLogprobs(request_id, start, Logprobs(ids, values, ranks)))
+        return parts
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
         if all(s.is_plain_greedy for s in states):

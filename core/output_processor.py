@@ -12,7 +12,13 @@ import msgspec
 
 from bastion.core.detokenizer import IncrementalDetokenizer
 from bastion.core.outputs import CompletionOutput, TokenLogprob
-from bastion.ipc.messages import EngineCoreOutput, EngineCoreRequest, LoRARequest, SamplingParams
+from bastion.ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    Logprobs,
+    LoRARequest,
+    SamplingParams,
+)
 
 
 @dataclass
@@ -41,6 +47,7 @@ class SeqDelta:
     error: str | None = None
     queue_time_s: float = 0.0  # on the first token's delta only (see EngineCoreOutput)
     prefill_time_s: float = 0.0
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None  # with the first token
 
 
 def child_id(parent_id: str, index: int) -> str:
@@ -119,7 +126,11 @@ class OutputProcessor:
                 text += seq.detokenizer.flush()
             output.text = seq.detokenizer.output_text
         output.token_ids.extend(new_token_ids)
-        logprobs = self._logprobs(out) if seq.params.logprobs is not None else None
+        logprobs = (self._entries(out.logprobs) if seq.params.logprobs is not None else None)
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = [None, *self._entries(out.prompt_logprobs)]
+            output.prompt_logprobs = prompt_logprobs
         if logprobs is not None and len(logprobs) > len(new_token_ids):
             logprobs = logprobs[:len(new_token_ids)]
         if logprobs is not None:
@@ -130,7 +141,7 @@ class OutputProcessor:
             self.seqs.pop(out.request_id, None)
         return SeqDelta(seq.parent_id, seq.index, text, list(new_token_ids), logprobs,
                         finish_reason, stop_reason, out.error, out.queue_time_s,
-                        out.prefill_time_s), must_abort
+                        out.prefill_time_s, prompt_logprobs), must_abort
 
     @staticmethod
     def _detokenize_until_stop(seq: SeqState, token_ids: list[int]
@@ -145,11 +156,11 @@ class OutputProcessor:
                 return "".join(parts), delta.stop_string, num_used
         return "".join(parts), None, len(token_ids)
 
-    def _logprobs(self, out: EngineCoreOutput) -> list[dict[int, TokenLogprob]]:
-        if out.logprobs is None:
+    def _entries(self, lp: Logprobs | None) -> list[dict[int, TokenLogprob]]:
+        """Per row: the row's own token first (its rank), then the top-N (rank = position)."""
+        if lp is None:
             return []
         result = []
-        lp = out.logprobs
         for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
             entry: dict[int, TokenLogprob] = {}
             for j, (token_id, value) in enumerate(zip(ids, values)):

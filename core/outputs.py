@@ -23,6 +23,9 @@ class CompletionOutput:
     # Per generated token: {token id: TokenLogprob} with the sampled token and the top-N.
     logprobs: list[dict[int, TokenLogprob]] | None = None
     error: str | None = None
+    # With prompt_logprobs: per prompt token, {token id: TokenLogprob} with that token and the
+    # top-k; None for the first token (nothing precedes it).
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -40,3 +43,8 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, TokenLogprob] | None] | None:
+        """vLLM's ``RequestOutput.prompt_logprobs`` (every choice scores the same prompt)."""
+        return self.outputs[0].prompt_logprobs if self.outputs else None

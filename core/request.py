@@ -10,6 +10,7 @@ from bastion.ipc.messages import (
     FinishReason,
     Logprobs,
     LoRARequest,
+    PromptLogprobs,
     SamplingParams,
 )
 
@@ -60,6 +61,11 @@ class Request:
         # rejected drafts freed since the workers last heard about this request.
         self.spec_token_ids: list[int] = []
         self.num_freed_blocks = 0
+        # prompt_logprobs: position -> (ids, logprobs, rank) of the prompt token after it, until
+        # sent with the first token (None afterwards, or when not asked). By position, so a
+        # chunk computed again after a preemption, with other boundaries, overwrites its rows.
+        self.prompt_logprobs_rows: dict[int, tuple[list[int], list[float], int]] | None = (
+            {} if params.prompt_logprobs is not None else None)
         # Prompt plus max_tokens; the scheduler lowers it to its max_model_len on admission.
         max_tokens = params.max_tokens
         self.max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None
@@ -98,6 +104,23 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def add_prompt_logprobs(self, part: PromptLogprobs) -> None:
+        rows = self.prompt_logprobs_rows
+        if rows is None:
+            return  # already sent (a recompute after preemption), or never asked
+        lp = part.logprobs
+        for j, row in enumerate(zip(lp.token_ids, lp.logprobs, lp.ranks)):
+            rows[part.start + j] = row
+
+    def take_prompt_logprobs(self) -> Logprobs | None:
+        """The whole prompt's logprobs once every row has arrived (then never again)."""
+        rows = self.prompt_logprobs_rows
+        if rows is None or len(rows) < self.num_prompt_tokens - 1:
+            return None
+        self.prompt_logprobs_rows = None
+        ordered = [rows[i] for i in range(self.num_prompt_tokens - 1)]
+        return Logprobs([r[0] for r in ordered], [r[1] for r in ordered], [r[2] for r in ordered])
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None,
                error: str | None = None) -> None:

@@ -4,7 +4,8 @@ Order of operations (vLLM V1's, with its default "raw" logprobs mode):
 
 1. logprobs = log_softmax of the *unmodified* logits, when any row asked for them;
 2. min_tokens: EOS (unless ``ignore_eos``) and ``stop_token_ids`` get -inf while a request has
-   produced fewer than ``min_tokens`` tokens;
+   produced fewer than ``min_tokens`` tokens; then ``logit_bias`` is added (one scatter-add for
+   every biased entry of the batch);
 3. repetition penalty over prompt + output tokens, then frequency and presence penalties over the
    output tokens;
 4. greedy rows (temperature 0) take the argmax of the penalised logits;
@@ -84,6 +85,8 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None = None  # float32 [N]
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) -> -inf
     max_num_logprobs: int | None = None
+    # (rows, token ids, biases), flattened over every row that has a logit_bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -95,6 +98,7 @@ class SamplingMetadata:
         argmax (greedy) or a draw from ``softmax(logits / T)``."""
         return (self.no_penalties and self.presence_penalties is None
                 and self.min_tokens_mask is None and self.max_num_logprobs is None
+                and self.logit_bias is None
                 and self.top_k is None and self.top_p is None and self.min_p is None)
 
     @classmethod
@@ -135,6 +139,7 @@ class SamplingMetadata:
             min_tokens_mask=_build_min_tokens_mask(params, output_token_ids, eos_token_ids,
                                                    device, vocab_size),
             max_num_logprobs=max(asked) if asked else None,
+            logit_bias=_build_logit_bias(params, device, vocab_size),
         )
         _add_penalties(meta, params, prompt_token_ids, output_token_ids, device)
         return meta
@@ -177,6 +182,23 @@ def _build_min_tokens_mask(params: list[SamplingParams], output_token_ids: list[
     return _to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device)
 
 
+def _build_logit_bias(params: list[SamplingParams], device: torch.device, vocab_size: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, p in enumerate(params):
+        for tok, bias in (p.logit_bias or {}).items():
+            if tok < vocab_size:  # the API checked ids against the tokenizer's vocabulary
+                rows.append(i)
+                cols.append(tok)
+                biases.append(bias)
+    if not rows:
+        return None
+    return (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device),
+            _to_device(biases, torch.float32, device))
+
+
 def _add_penalties(meta: SamplingMetadata, params: list[SamplingParams],
                    prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
                    device: torch.device) -> None:
@@ -206,6 +228,14 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         return logits
     rows, cols = meta.min_tokens_mask
     return logits.index_put((rows, cols), torch.tensor(_MASKED, device=logits.device))
+
+
+def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.logit_bias is None:
+        return logits
+    rows, cols, biases = meta.logit_bias
+    # NOTE: (row, id) pairs are unique (one dict per row), so accumulate only adds to the logit.
+    return logits.index_put((rows, cols), biases, accumulate=True)
 
 
 def _token_counts(token_ids: torch.Tensor, num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -344,7 +374,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = (logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None
                         else None)
-        logits = apply_min_tokens(logits, meta)
+        logits = apply_logit_bias(apply_min_tokens(logits, meta), meta)
         logits = apply_penalties(logits, meta)
         sampled = self.sample(logits, meta)
         lp = None

@@ -325,6 +325,7 @@ class Scheduler:
             self._update_spec(sched, result, scheduled, outputs)
             outputs.extend(self.expire_deadlines())
             return outputs
+        self._collect_prompt_logprobs(result)
         requests, logprobs_rows = self.requests, result.logprobs
         for i, (request_id, token_id) in enumerate(zip(result.request_ids,
                                                        result.sampled_token_ids)):
@@ -341,6 +342,7 @@ class Scheduler:
                 request_id, [token_id], request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0),
                 logprobs_rows[i] if i < len(logprobs_rows) else None)
+            output.prompt_logprobs = request.take_prompt_logprobs()
             if len(request.output_token_ids) == 1 and request.scheduled_time is not None:
                 output.queue_time_s = request.scheduled_time - request.queued_time
                 output.prefill_time_s = time.monotonic() - request.scheduled_time
@@ -357,6 +359,7 @@ class Scheduler:
         the KV slots of rejected drafts are given back."""
         drafts_by_id = sched.scheduled_spec_decode_tokens
         logprobs_rows, next_drafts = result.logprobs, result.draft_token_ids
+        self._collect_prompt_logprobs(result)
         for i, (request_id, token_ids) in enumerate(zip(result.request_ids,
                                                         result.sampled_token_id_lists)):
             request = scheduled.get(request_id)
@@ -385,13 +388,20 @@ class Scheduler:
                                           logprobs.ranks[:n])
             outputs.append(EngineCoreOutput(request_id, emitted, request.finish_reason,
                                             request.stop_reason,
-                                            max(request.num_cached_tokens, 0), logprobs))
+                                            max(request.num_cached_tokens, 0), logprobs,
+                                            prompt_logprobs=request.take_prompt_logprobs()))
             if request.status == RequestStatus.FINISHED:
                 self._remove(request)
                 continue
             if num_rejected > 0:
                 request.num_freed_blocks += self.kv.trim(request, request.num_computed_tokens)
             request.spec_token_ids = list(next_drafts[i]) if i < len(next_drafts) else []
+
+    def _collect_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
+        for part in result.prompt_logprobs:
+            request = self.requests.get(part.request_id)
+            if request is not None:
+                request.add_prompt_logprobs(part)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

@@ -59,6 +59,12 @@ class SamplingParams(msgspec.Struct, **_WIRE):
     skip_special_tokens: bool = True
     # Issue #21: set by the front end from response_format / structured_outputs / guided_* / tools.
     structured_outputs: StructuredOutputsParams | None = None
+    # Issue #20: OpenAI's logit_bias, token id -> bias in [-100, 100] added to the logits before
+    # sampling (after min_tokens, before the penalties, as vLLM V1).
+    logit_bias: dict[int, float] | None = None
+    # Issue #20: logprobs of every prompt token (the first has none) with the top ``k``; such a
+    # request skips the prefix cache (vLLM's rule), so every prompt position runs the model.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -84,10 +90,19 @@ class SamplingParams(msgspec.Struct, **_WIRE):
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias), "logit_bias",
+                   "logit_bias keys must be non-negative token ids")
+            bad = next((v for v in self.logit_bias.values()
+                        if not (isinstance(v, (int, float)) and -100.0 <= v <= 100.0)), None)
+            _check(bad is None, "logit_bias",
+                   f"logit_bias values must be numbers in [-100, 100], got {bad!r}")
         if self.structured_outputs is not None:
             kinds = self.structured_outputs.kinds()
             _check(len(kinds) == 1, "structured_outputs",
@@ -199,6 +214,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     # the engine to its first scheduling, and from there to this token.
     queue_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    # With a request's first token, when it asked for prompt_logprobs: one row per prompt token
+    # after the first (that token first, then the top-k).
+    prompt_logprobs: Logprobs | None = None
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -306,6 +324,15 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     removed_lora_ids: list[int] = []
 
 
+class PromptLogprobs(msgspec.Struct, **_WIRE):
+    """Logprobs of prompt tokens ``start + 1 .. start + len(rows)`` of one request, from the
+    logits at positions ``start ..`` of one prefill chunk (each row: that token first)."""
+
+    request_id: str
+    start: int
+    logprobs: Logprobs
+
+
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     """Rank 0's reply to EXECUTE: one sampled token per request that finished its prefill."""
 
@@ -318,6 +345,8 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     # proposer offers for the next step.
     sampled_token_id_lists: list[list[int]] = []
     draft_token_ids: list[list[int]] = []
+    # Prompt logprobs computed this step, one part per prefill chunk that asked for them.
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 # ---------------------------------------------------------------------------------------------

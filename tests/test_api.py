@@ -56,6 +56,7 @@ class FakeStream:
         self.engine = engine
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.prompt_token_ids = prompt_token_ids
         self.num_cached_tokens = 0
         self.children = fan_out(request_id, prompt_token_ids, params, None, time.time())
         self.processor = OutputProcessor(engine.tokenizer)
@@ -95,10 +96,20 @@ class FakeStream:
             top = [token + k for k in range(params.logprobs)]
             logprobs = Logprobs([[token] + top], [[-0.25] + [-0.25 - k for k in range(len(top))]],
                                 [1])
-        # As the engine does: the first output carries the queue and prefill times.
+        # As the engine does: the first output carries the queue and prefill times (and the
+        # prompt's logprobs when asked: token p scored -p/10, then ids 1..k at -1-j).
+        prompt_logprobs = None
+        k = params.prompt_logprobs
+        if step == 0 and k is not None:
+            rest = self.prompt_token_ids[1:]
+            prompt_logprobs = Logprobs(
+                [[t, *range(1, k + 1)] for t in rest],
+                [[-p / 10, *(-1.0 - j for j in range(k))] for p in range(1, len(rest) + 1)],
+                [7] * len(rest))
         return EngineCoreOutput(cid, [token], finish, num_cached_tokens=NUM_CACHED_TOKENS,
                                 logprobs=logprobs, queue_time_s=0.25 if step == 0 else 0.0,
-                                prefill_time_s=0.5 if step == 0 else 0.0)
+                                prefill_time_s=0.5 if step == 0 else 0.0,
+                                prompt_logprobs=prompt_logprobs)
 
     async def abort(self) -> None:
         self.engine.aborted.append(self.request_id)
@@ -278,6 +289,70 @@ async def test_completion_logprobs(serve, tokenizer):
         "text_offset": [0, len(t0)]}
 
 
+def fake_prompt_scores(tokenizer, prompt: str) -> tuple[list[int], list[str], list]:
+    """The fake engine's prompt logprobs: prompt token p (p >= 1) scored -p/10."""
+    ids = tokenizer.encode(prompt)
+    return ids, [tokenizer.decode([t]) for t in ids], [None] + [-p / 10 for p in
+                                                              range(1, len(ids))]
+
+
+async def test_completion_echo_with_logprobs_scores_the_prompt_first(serve, tokenizer):
+    http, engine = await serve()
+    prompt = "The sky is blue"
+    ids, texts, scores = fake_prompt_scores(tokenizer, prompt)
+    body = await (await http.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 2, "logprobs": 1, "echo": True})).json()
+    assert engine.requests[0][2].prompt_logprobs == 1
+    choice = body["choices"][0]
+    assert choice["text"] == prompt + expected_text(tokenizer, 2)
+    lp = choice["logprobs"]
+    script = tokenizer.encode(SCRIPT_TEXT)
+    t0, t1 = tokenizer.decode([script[0]]), tokenizer.decode([script[1]])
+    assert lp["tokens"] == [*texts, t0, t1]
+    assert lp["token_logprobs"] == [*scores, -0.25, -0.25]
+    # Top-1: the prompt token itself (rank 7 in the fake) and id 1 (rank 1).
+    assert lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {texts[1]: -0.1, tokenizer.decode([1]): -1.0}
+    assert lp["text_offset"] == [sum(len(t) for t in (texts + [t0])[:i])
+                                 for i in range(len(ids) + 2)]
+    assert "prompt_logprobs" not in choice  # vLLM's own field was not asked for
+    # Streamed: the first chunk carries the echoed prompt and its scores.
+    events = await sse_events(await http.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 2, "logprobs": 1, "echo": True, "stream": True}))
+    first = events[0]["choices"][0]
+    assert first["text"] == prompt + t0
+    assert first["logprobs"]["token_logprobs"] == [*scores, -0.25]
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+
+
+async def test_vllm_prompt_logprobs_on_completions_and_chat(serve, tokenizer):
+    http, engine = await serve()
+    ids, texts, scores = fake_prompt_scores(tokenizer, "Hello there")
+    body = await (await http.post("/v1/completions", json={
+        "prompt": "Hello there", "max_tokens": 1, "prompt_logprobs": 2})).json()
+    assert engine.requests[0][2].prompt_logprobs == 2
+    assert body["choices"][0]["logprobs"] is None
+    expected = [None] + [{
+        str(ids[p]): {"logprob": scores[p], "rank": 7, "decoded_token": texts[p]},
+        "1": {"logprob": -1.0, "rank": 1, "decoded_token": tokenizer.decode([1])},
+        "2": {"logprob": -2.0, "rank": 2, "decoded_token": tokenizer.decode([2])}}
+        for p in range(1, len(ids))]
+    assert body["choices"][0]["prompt_logprobs"] == expected
+    chat = await (await http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+        "prompt_logprobs": 0})).json()
+    prompt_ids = engine.requests[1][1]
+    assert len(chat["prompt_logprobs"]) == len(prompt_ids) and chat["prompt_logprobs"][0] is None
+    assert [list(e) for e in chat["prompt_logprobs"][1:]] == [[str(t)] for t in prompt_ids[1:]]
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1},
+                    {"prompt_logprobs": 1, "stream": True}):
+            resp = await http.post(path, json={**body, **bad})
+            assert resp.status == 400
+            assert (await resp.json())["error"]["param"] == "prompt_logprobs"
+
+
 async def test_completion_stream_framing_and_usage(serve, tokenizer):
     http, _ = await serve()
     resp = await http.post("/v1/completions", json={
@@ -355,7 +430,7 @@ _LONG = " ".join(["word"] * 80)
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
     ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n", None),
-    ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop[0]", None),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options", None),
@@ -373,7 +448,12 @@ _LONG = " ".join(["word"] * 80)
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
-     "messages", None),
+     "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type",
+     None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs", None),
     # The bounds on stop strings (ApiConfig.max_stop_strings, max_stop_len, ...).
@@ -381,11 +461,21 @@ _LONG = " ".join(["word"] * 80)
     ("/v1/completions", {"prompt": "x", "stop": "s" * 257}, 400, "stop", None),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids",
      None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"49152": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"07": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 100.5}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": True}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [1]}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {"x": 1}}, 400, "logit_bias", None),
     # What a decoder can raise beyond a syntax error.
     ("/v1/completions", b"[" * 5000 + b"]" * 5000, 400, None, None),
     ("/v1/completions", b'{"prompt": "x", "n": 1' + b"0" * 40 + b"}", 400, "n", None),
     ("/v1/completions", b'{"prompt": "x", "seed": -1' + b"0" * 40 + b"}", 400, "seed", None),
-    ("/v1/completions", b'{"prompt": [1' + b"0" * 40 + b"]}", 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": [1' + b"0" * 40 + b"]}", 400, "prompt[0]", None),
+    ("/v1/completions", {"prompt": [1, "x"]}, 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', 400, "temperature", None),
     ("/v1/completions", b'{"prompt": "\\ud800"}', 400, None, None),
     ("/v1/completions", b"\xff\xfe", 400, None, None),
 ])
@@ -676,6 +766,38 @@ async def test_openapi_lists_every_route(serve):
         "$ref": "#/components/schemas/CompletionRequest"}
     assert set(doc["components"]["schemas"]["CompletionRequest"]["properties"]) >= {
         "prompt", "max_tokens", "logprobs", "stream", "stop", "n"}
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert chat["security"] == [{"bearer": []}] and "security" not in doc["paths"]["/health"]["get"]
+    assert chat["parameters"][0]["name"] == "X-Request-Timeout"
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"add_generation_prompt", "tools", "response_format", "logit_bias"} <= set(props)
+    assert props["n"]["anyOf"][0]["maximum"] == ApiConfig().max_n
+
+
+@pytest.mark.parametrize("path, body, schema", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logprobs": 1, "echo": True},
+     "Completion"),
+    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "prompt_logprobs": 1, "n": 2},
+     "Completion"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                              "logprobs": True, "top_logprobs": 2, "prompt_logprobs": 0},
+     "ChatCompletion"),
+    ("/v1/chat/completions", {"messages": []}, "ErrorResponse"),
+    ("/tokenize", {"prompt": "Hi", "return_token_strs": True}, "TokenizeResponse"),
+    ("/detokenize", {"tokens": [1, 2]}, "DetokenizeResponse"),
+])
+async def test_responses_match_the_openapi_document(serve, path, body, schema):
+    import jsonschema
+
+    http, _ = await serve()
+    doc = await (await http.get("/openapi.json")).json()
+    answer = await (await http.post(path, json=body)).json()
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{schema}", "components": doc["components"]})
+    errors = [e.message for e in validator.iter_errors(answer)]
+    assert not errors, errors
+    assert not validator.is_valid({})  # every documented body has required fields
 
 
 # --------------------------------------------------------------------------- fault tolerance

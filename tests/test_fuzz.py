@@ -1,4 +1,6 @@
-"""Schemathesis over ``/openapi.json``: no request, valid or not, gets a server error.
+"""Schemathesis over ``/openapi.json``: no request, valid or not, gets a server error, and every
+response matches the document (its schema and content type for the status), which is generated
+from the request and response types of api/schemas.py.
 
 Bounded for the suite (``BASTION_FUZZ_SECONDS``, 60 s by default, split between the two runs);
 a longer run by hand: ``BASTION_FUZZ_SECONDS=600 pytest -s tests/test_fuzz.py``. The hooks
@@ -32,19 +34,22 @@ TESTS_DIR = Path(__file__).parent
 
 
 def schemathesis_run(base_url: str, seconds: float, stats_path: Path, *args: str
-                     ) -> tuple[dict[str, int], str]:
+                     ) -> tuple[dict[str, int], str, int]:
+    """The hooks' counts, the tail of schemathesis's report, and its exit status (0: no check
+    failed on any case)."""
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "FUZZ_STATS_PATH": str(stats_path),
            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
     main = "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())"
     cmd = [sys.executable, "-c", main, "run", base_url + "/openapi.json",
-           "--max-time", str(max(int(seconds), 1)), "--checks", "no_server_bug",
-           "--workers", "2", "--no-shrink", "--request-timeout", "60",
+           "--max-time", str(max(int(seconds), 1)),
+           "--checks", "no_server_bug,response_schema_conformance,content_type_conformance",
+           "--workers", "1", "--no-shrink", "--request-timeout", "60",
            "--suppress-health-check", "all", *args]
     # check=False: schemathesis exits non-zero on any failure, which the stats then show.
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
                           timeout=seconds + 240, cwd=stats_path.parent)
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
-    return stats, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return stats, proc.stdout[-6000:] + proc.stderr[-3000:], proc.returncode
 
 
 def report(name: str, stats: dict[str, int]) -> str:
@@ -60,7 +65,7 @@ def test_fuzz_generation_routes(tmp_path):
                            workdir=str(tmp_path), env={"OMP_NUM_THREADS": "1"})
     try:
         server.wait_healthy(timeout_s=180)
-        stats, output = schemathesis_run(server.base_url, FUZZ_SECONDS * 0.75,
+        stats, output, status = schemathesis_run(server.base_url, FUZZ_SECONDS * 0.75,
                                          tmp_path / "stats.json",
                                          "--exclude-path-regex", "^/fault_tolerance")
         assert server.proc.poll() is None, "the server died:\n" + server.log_tail()
@@ -73,6 +78,7 @@ def test_fuzz_generation_routes(tmp_path):
     assert not any(tables.values()), tables
     assert stats.get("cases", 0) > 50, output
     assert stats.get("server_bugs", 0) == 0, output + server.log_tail()
+    assert status == 0, output  # no response outside the document
     assert "Traceback" not in server.log_tail(10**7), server.log_tail()
 
 
@@ -113,13 +119,14 @@ def _tokenizer():
 @pytest.mark.timeout(FUZZ_SECONDS + 300)
 def test_fuzz_control_routes(tmp_path):
     with fake_control_server() as (port, handler):
-        stats, output = schemathesis_run(f"http://127.0.0.1:{port}", FUZZ_SECONDS * 0.25,
+        stats, output, status = schemathesis_run(f"http://127.0.0.1:{port}", FUZZ_SECONDS * 0.25,
                                          tmp_path / "stats.json", "--include-path-regex",
                                          "^/fault_tolerance",
                                          "-H", f"Authorization: Bearer {ADMIN_KEY}")
     print(report("control routes", stats))
     assert stats.get("cases", 0) > 50, output
     assert stats.get("server_bugs", 0) == 0, output
+    assert status == 0, output
     # Only bodies the strict types accept reached the handler.
     for call in handler.calls:
         assert call[0] in ("apply", "inject") and call[1] in ("retry", "reinit", "raise",

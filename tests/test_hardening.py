@@ -236,7 +236,7 @@ def test_huge_prompt_is_tokenized_off_the_event_loop(server):
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", b"[" * 988 + b"]" * 988, None),
-    ("/v1/completions", b'{"prompt": "x", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
+    ("/v1/completions", b'{"prompt": "x", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}", "stop[0]"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": '
      + b"9" * 30 + b"}", "n"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 30 + b"}", "max_tokens"),

@@ -174,6 +174,47 @@ def test_logprobs_are_returned_for_the_sampled_token(llm):
         assert len(entry) == 3
 
 
+def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced float32 log-softmax at every prompt position: row p scores token p+1."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(dim=-1)
+
+
+def assert_prompt_logprobs(entries, ids: list[int], reference: torch.Tensor, k: int) -> None:
+    assert len(entries) == len(ids) and entries[0] is None
+    for p, entry in enumerate(entries[1:]):
+        token, ref = ids[p + 1], reference[p]
+        top = ref.topk(k)
+        assert set(entry) == {token, *top.indices.tolist()}, p
+        assert entry[token].logprob == pytest.approx(ref[token].item(), abs=1e-4)
+        assert entry[token].rank == int((ref > ref[token]).sum()) + 1
+        for rank, (tok, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            assert entry[tok].logprob == pytest.approx(value, abs=1e-4)
+            if tok != token:
+                assert entry[tok].rank == rank
+
+
+def test_prompt_logprobs_match_teacher_forced_transformers(prompt_ids, hf_model):
+    # A 16-token budget: the long prompt's logprobs come from several prefill chunks.
+    chunked = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16)
+    long_ids = prompt_ids[5] + prompt_ids[0]
+    assert len(long_ids) > 2 * 16
+    reference = hf_prompt_logprobs(hf_model, long_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    plain = SamplingParams(temperature=0.0, max_tokens=1)
+    first, short = chunked.generate(
+        [{"prompt_token_ids": ids} for ids in (long_ids, prompt_ids[0])], [params, plain])
+    assert short.prompt_logprobs is None
+    assert_prompt_logprobs(first.prompt_logprobs, long_ids, reference, 2)
+    # Its blocks are cached now: a request with prompt_logprobs skips the cache (a hit would
+    # skip the positions that need logits), one without still hits it.
+    again, cached = chunked.generate([{"prompt_token_ids": long_ids}] * 2, [params, plain])
+    assert (again.num_cached_tokens, cached.prompt_logprobs) == (0, None)
+    assert cached.num_cached_tokens > 0
+    assert_prompt_logprobs(again.prompt_logprobs, long_ids, reference, 2)
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == cached.outputs[0].token_ids
+
+
 def test_chat_uses_the_template(llm):
     out = llm.chat([{"role": "user", "content": "Say hello."}],
                    SamplingParams(temperature=0.0, max_tokens=8))[0]

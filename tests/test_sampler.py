@@ -11,6 +11,7 @@ from bastion.core.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
+    apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -226,6 +227,34 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert masked[2].tolist() == [0.0, NEG_INF, 1.0, 5.0, 2.0]  # ignore_eos: only stop ids
     assert masked[3].tolist() == logits[3].tolist()  # min_tokens = 0
     assert Sampler()(logits, meta).sampled_token_ids.tolist() == [4, 3, 3, 3]
+
+
+def test_logit_bias_adds_per_row_after_min_tokens_and_leaves_logprobs_raw() -> None:
+    logits = torch.tensor([[0.0, 4.0, 1.0, 5.0, 2.0]] * 4)
+    params = [SamplingParams(temperature=0.0, logit_bias={2: 100.0}),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={3: -100.0, 0: 0.5}, logprobs=1),
+              # min_tokens masks EOS first; a positive bias cannot bring it back.
+              SamplingParams(temperature=0.0, min_tokens=1, logit_bias={3: 100.0})]
+    meta = build(params, 5, eos=[None, None, None, 3])
+    assert meta.logit_bias is not None and meta.logit_bias[0].tolist() == [0, 2, 2, 3]
+    biased = apply_logit_bias(logits, meta)
+    assert biased[0].tolist() == [0.0, 4.0, 101.0, 5.0, 2.0]
+    assert biased[1].tolist() == logits[1].tolist()
+    assert biased[2].tolist() == [0.5, 4.0, 1.0, -95.0, 2.0]
+    assert logits[0].tolist() == [0.0, 4.0, 1.0, 5.0, 2.0]  # not in place
+    out = Sampler()(logits, meta)
+    assert out.sampled_token_ids.tolist() == [2, 3, 1, 1]
+    # vLLM's raw logprobs: the sampled token's logprob is from the unbiased logits.
+    assert out.logprobs.logprobs[2, 0].item() == pytest.approx(logits[2].log_softmax(-1)[1].item())
+    assert not meta.draws_plainly
+    assert build([SamplingParams(temperature=0.0, logit_bias={7: 1.0})], 5).logit_bias is None
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: float("nan")}, {-1: 1.0}])
+def test_logit_bias_out_of_range_is_refused(bias: dict) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
 
 
 # --- seeds -----------------------------------------------------------------------------------

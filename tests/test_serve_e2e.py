@@ -200,6 +200,52 @@ def test_chat_logprobs(client: openai.OpenAI, model_name: str, reference_chat: s
         assert tok.top_logprobs[1].logprob <= tok.logprob <= 0.0
 
 
+def test_logit_bias_steers_greedy_tokens(client: openai.OpenAI, model_name: str,
+                                         llm: LLM) -> None:
+    # The unbiased greedy token and the runner-up, from the offline model's top-2 logprobs.
+    entry = llm.generate(PROMPTS[0], greedy(1, logprobs=2))[0].outputs[0].logprobs[0]
+    first, second = (tok for tok, _ in sorted(entry.items(), key=lambda kv: kv[1].rank))
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=1,
+                                     temperature=0, logit_bias={str(first): -100},
+                                     extra_body=IGNORE_EOS)
+    assert resp.choices[0].text == llm.tokenizer.decode([second])
+    # +100 on an unlikely id makes it every output token, on both routes.
+    chosen = llm.tokenizer.encode(" banana")[0]
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=4,
+                                     temperature=0, logit_bias={str(chosen): 100},
+                                     extra_body=IGNORE_EOS)
+    assert resp.choices[0].text == llm.tokenizer.decode([chosen] * 4)
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=3,
+                                          temperature=0, logit_bias={str(chosen): 100},
+                                          extra_body=IGNORE_EOS)
+    assert chat.choices[0].message.content == llm.tokenizer.decode([chosen] * 3)
+    with pytest.raises(openai.BadRequestError, match="logit_bias") as err:
+        client.completions.create(model=model_name, prompt="hi", logit_bias={"1": 101})
+    assert err.value.body["param"] == "logit_bias"
+
+
+def test_prompt_logprobs_cross_the_processes(client: openai.OpenAI, model_name: str,
+                                             llm: LLM) -> None:
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    ref = llm.generate(PROMPTS[2], greedy(1, prompt_logprobs=1))[0].prompt_logprobs
+    expected = [None] + [entry[ids[p]].logprob for p, entry in enumerate(ref[1:], 1)]
+    resp = client.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=1,
+                                     temperature=0, logprobs=1, echo=True,
+                                     extra_body=IGNORE_EOS)
+    lp = resp.choices[0].logprobs
+    assert resp.choices[0].text.startswith(PROMPTS[2])
+    assert lp.token_logprobs[:len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert lp.tokens[:len(ids)] == [llm.tokenizer.decode([t]) for t in ids]
+    chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1,
+                                          temperature=0,
+                                          extra_body={**IGNORE_EOS, "prompt_logprobs": 0})
+    prompt_logprobs = chat.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(chat_ids)
+    assert [list(e) for e in prompt_logprobs[1:]] == [[str(t)] for t in chat_ids[1:]]
+
+
 def test_usage(client: openai.OpenAI, model_name: str, llm: LLM) -> None:
     num_prompt = len(llm.tokenizer.encode(PROMPTS[3]))
     resp = client.completions.create(model=model_name, prompt=PROMPTS[3], max_tokens=5,

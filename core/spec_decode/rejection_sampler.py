@@ -26,6 +26,7 @@ import torch
 
 from bastion.core.sampler import (
     SamplingMetadata,
+    apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -96,7 +97,7 @@ def rejection_sample(probs: torch.Tensor, draft_token_ids: list[int],
 def _is_plain_greedy(params: SamplingParams) -> bool:
     return (params.is_greedy and params.logprobs is None and params.min_tokens == 0
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0)
+            and params.presence_penalty == 0.0 and not params.logit_bias)
 
 
 def _accept_greedy(best_ids: list[int], requests: list[VerifyRequest]) -> list[list[int]]:
@@ -133,7 +134,7 @@ def verify(logits: torch.Tensor, requests: list[VerifyRequest]) -> VerifyOutput:
     meta = SamplingMetadata.build(params, prompts, outputs, gens, eos, device, vocab_size)
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
-    logits = apply_penalties(apply_min_tokens(logits, meta), meta)
+    logits = apply_penalties(apply_logit_bias(apply_min_tokens(logits, meta), meta), meta)
     greedy_ids = logits.argmax(dim=-1).tolist() if not meta.all_random else None
     probs = None
     if not meta.all_greedy:
