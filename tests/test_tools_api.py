@@ -96,6 +96,9 @@ class TemplateTokenizer:
     def __getattr__(self, name: str):
         return getattr(self._tokenizer, name)
 
+    def __len__(self) -> int:  # dunders skip __getattr__
+        return len(self._tokenizer)
+
     def apply_chat_template(self, *args, **kwargs):
         return self._tokenizer.apply_chat_template(*args, chat_template=self._template, **kwargs)
 
@@ -447,11 +450,11 @@ async def test_forced_choice_is_refused_without_structured_outputs(
             },
             "not a valid JSON schema",
         ),
-        (AUTO, {"tools": "get_weather"}, "tools must be a list"),
+        (AUTO, {"tools": "get_weather"}, "Expected `array | null`, got `str` - at `$.tools`"),
         (AUTO, {"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         (AUTO, {"functions": [WEATHER["function"]]}, "functions is not supported"),
         (AUTO, {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set tools"),
-        (AUTO, {"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be an object"),
+        (AUTO, {"chat_template_kwargs": ["x"]}, "Expected `object | null`, got `array` - at `$.chat_template_kwargs`"),
         (
             AUTO,
             {"messages": [*MESSAGES, {"role": "tool", "content": "18 C"}]},
