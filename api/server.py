@@ -119,5 +119,5 @@ async def start_server(app: web.Application, config: ApiConfig,
     return await serve(app, config, handle_signals)
 
 
-__all__ = ["CONFIG_KEY", "STATE_KEY", "ApiConfig", "ServerState", "build_app", "set_fault_tolerance_handler",
-           "start_server"]
+__all__ = ["CONFIG_KEY", "STATE_KEY", "ApiConfig", "ServerState", "build_app",
+           "set_fault_tolerance_handler", "start_server"]

@@ -454,7 +454,8 @@ async def test_forced_choice_is_refused_without_structured_outputs(
         (AUTO, {"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         (AUTO, {"functions": [WEATHER["function"]]}, "functions is not supported"),
         (AUTO, {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set tools"),
-        (AUTO, {"chat_template_kwargs": ["x"]}, "Expected `object | null`, got `array` - at `$.chat_template_kwargs`"),
+        (AUTO, {"chat_template_kwargs": ["x"]},
+         "Expected `object | null`, got `array` - at `$.chat_template_kwargs`"),
         (
             AUTO,
             {"messages": [*MESSAGES, {"role": "tool", "content": "18 C"}]},
