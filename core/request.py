@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from bastion.ipc.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from bastion.core.structured_output.manager import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -52,6 +57,10 @@ class Request:
         # rejected drafts freed since the workers last heard about this request.
         self.spec_token_ids: list[int] = []
         self.num_freed_blocks = 0
+        # Structured outputs: the grammar's compilation while the request waits for it, then
+        # its matcher, advanced by every output token.
+        self.grammar_future: Future | None = None
+        self.grammar: RequestGrammar | None = None
         # Prompt plus max_tokens; the scheduler lowers it to its max_model_len on admission.
         max_tokens = params.max_tokens
         self.max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None
