@@ -18,6 +18,7 @@ from aiohttp import web
 from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.connections import with_idle_timeout
 from bastion.api.errors import ApiError, bad_request
+from bastion.api.structured_outputs import parse_structured_outputs
 from bastion.core.stop_matcher import stop_automaton
 from bastion.ipc.messages import InvalidParam, SamplingParams
 
@@ -198,7 +199,6 @@ _UNSUPPORTED = {
     "best_of": (None, 1),
     "tools": (None, []),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -279,6 +279,7 @@ def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
             logprobs=logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            structured_outputs=parse_structured_outputs(body),
         )
     except InvalidParam as exc:
         raise bad_request(str(exc), exc.param) from None
