@@ -20,7 +20,7 @@ from bastion.core.spec_decode.draft_model import DraftModelProposer
 from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
-from bastion.core.structured_output.bitmask import apply_token_bitmask, bitmask_tensor
+from bastion.core.structured_output.bitmask import apply_grammar_bitmask
 from bastion.ipc.messages import (
     GrammarBitmask,
     Logprobs,
@@ -406,13 +406,7 @@ class ModelRunner:
         for state in pending.states:  # a row with d drafts has d + 1 logits rows
             row_of[state.request_id] = row
             row += len(spec.get(state.request_id, ())) + 1
-        pairs = [(row_of[rid], i) for i, rid in enumerate(msg.request_ids) if rid in row_of]
-        if pairs:
-            bitmask = bitmask_tensor(msg, self.device)
-            mask_rows = [i for _, i in pairs]
-            if len(mask_rows) < len(msg.request_ids):
-                bitmask = bitmask[mask_rows]
-            apply_token_bitmask(pending.logits, bitmask, [r for r, _ in pairs])
+        apply_grammar_bitmask(pending.logits, msg, row_of)
         if self.proposer is not None or self.drafter is not None:
             pending.handle.set_output(self._verify_step(pending.handle.step_id, pending.logits,
                                                         pending.states, spec))

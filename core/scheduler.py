@@ -373,7 +373,7 @@ class Scheduler:
             output = EngineCoreOutput(
                 request_id, [token_id], request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0),
-                logprobs_rows[i] if i < len(logprobs_rows) else None)
+                logprobs_rows[i] if i < len(logprobs_rows) else None, request.error)
             if len(request.output_token_ids) == 1 and request.scheduled_time is not None:
                 output.queue_time_s = request.scheduled_time - request.queued_time
                 output.prefill_time_s = time.monotonic() - request.scheduled_time

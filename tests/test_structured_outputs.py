@@ -7,19 +7,33 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future
 
 import jsonschema
 import msgspec
+import numpy as np
 import pytest
+import torch
+from structured_schemas import SCHEMAS
+
+from bastion.core.config import CacheConfig, SchedulerConfig
 from bastion.core.llm import LLM
+from bastion.core.request import Request
+from bastion.core.scheduler import Scheduler
+from bastion.core.structured_output.bitmask import (
+    apply_grammar_bitmask,
+    apply_token_bitmask_reference,
+)
 from bastion.core.structured_output.spec import GrammarSpecError, check_spec, choice_grammar
+from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.messages import (
     EngineCoreRequest,
     FinishReason,
+    GrammarBitmask,
+    ModelRunnerOutput,
     SamplingParams,
     StructuredOutputsParams,
 )
-from structured_schemas import SCHEMAS
 
 PROMPT = [{"role": "user", "content": "Answer with a JSON object."}]
 FREE_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -60,7 +74,7 @@ def assert_valid(text: str, schema: dict) -> None:
 def test_ten_schemas_valid_in_a_batch_mixed_with_unconstrained_rows(llm, chat_ids,
                                                                     free_reference):
     sampled = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=80,
-                             structured_outputs=StructuredOutputsParams(**json_spec(SCHEMAS[1])))
+                             structured_outputs=StructuredOutputsParams(**json_spec(SCHEMAS[7])))
     prompts = ([{"prompt_token_ids": chat_ids}] * (len(SCHEMAS) + 1)) + FREE_PROMPTS
     params = ([greedy(80, **json_spec(s)) for s in SCHEMAS] + [sampled]
               + [greedy(24)] * len(FREE_PROMPTS))
@@ -72,7 +86,7 @@ def test_ten_schemas_valid_in_a_batch_mixed_with_unconstrained_rows(llm, chat_id
     assert len(outs[len(SCHEMAS)].outputs) == 2
     for choice in outs[len(SCHEMAS)].outputs:
         assert choice.finish_reason == "stop", choice.text
-        assert_valid(choice.text, SCHEMAS[1])
+        assert_valid(choice.text, SCHEMAS[7])
     free = [o.outputs[0].token_ids for o in outs[len(SCHEMAS) + 1:]]
     assert free == free_reference
 
@@ -133,7 +147,7 @@ def test_preempted_and_resumed_requests_stay_valid(chat_ids):
     """A pool of 8 blocks for four requests of ~60 tokens: the newest are preempted and
     recomputed, their matchers untouched; then a request resumes after 5 streamed tokens (as
     after a fault) and continues exactly where the uninterrupted run went."""
-    schemas = [SCHEMAS[i] for i in (1, 2, 6, 9)]
+    schemas = [SCHEMAS[i] for i in (0, 1, 2, 7)]
     with LLM(dtype="float32", max_model_len=128, num_gpu_blocks_override=8) as tiny:
         engine, eos = tiny.engine, tiny.eos_token_id
         reqs = [EngineCoreRequest(f"r{i}", chat_ids, greedy(80, **json_spec(s)), eos_token_id=eos)
@@ -163,13 +177,114 @@ def test_grammar_starts_after_its_token(llm, free_reference):
 def test_speculative_decoding_leaves_grammar_rows_undrafted(chat_ids, llm):
     """ngram drafting on: grammar rows decode one token a step, others draft; every row's
     greedy tokens equal the non-speculative engine's."""
-    params = [greedy(80, **json_spec(SCHEMAS[6])), greedy(40)]
+    params = [greedy(40, **json_spec(SCHEMAS[7])), greedy(24)]
     prompts = [{"prompt_token_ids": chat_ids}, "1, 2, 3, 4, 5, 6, 1, 2, 3,"]
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
-    with LLM(dtype="float32", max_model_len=512, speculative_config=spec) as spec_llm:
+    with LLM(dtype="float32", max_model_len=256, speculative_config=spec) as spec_llm:
+        drafted = []
+        propose = spec_llm.engine.scheduler._take_drafts
+        spec_llm.engine.scheduler._take_drafts = lambda r, *a: drafted.append(
+            r.request_id) or propose(r, *a)
         outs = spec_llm.generate(prompts, params, use_tqdm=False)
-        stats = spec_llm.engine.scheduler.spec_stats
     assert [o.outputs[0].token_ids for o in outs] == reference
-    assert_valid(outs[0].outputs[0].text, SCHEMAS[6])
-    del stats
+    assert_valid(outs[0].outputs[0].text, SCHEMAS[7])
+    assert drafted and all(rid.startswith("1") for rid in drafted)  # only the free row drafts
+
+
+# ------------------------------------------------------------------------ units, no model
+
+
+class _Grammar:
+    """A matcher stand-in that accepts only ``allowed`` tokens."""
+
+    is_active = True
+    is_terminated = False
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+
+    def accept(self, token_id: int) -> bool:
+        return token_id in self.allowed
+
+
+class _SlowCompiles:
+    """Compiles that finish when the test says so."""
+
+    def __init__(self) -> None:
+        self.futures: list[Future] = []
+
+    def compile(self, spec: StructuredOutputsParams) -> Future:
+        self.futures.append(Future())
+        return self.futures[-1]
+
+    def wait_any(self, futures: list[Future], timeout_s: float) -> None:
+        pass
+
+    @staticmethod
+    def attach_grammar(request: Request) -> None:
+        request.grammar = request.grammar_future.result()
+
+
+def test_a_compiling_request_waits_in_its_own_state_while_others_step():
+    compiles = _SlowCompiles()
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+                  CacheConfig(block_size=4), 16, 64, structured_output=compiles)
+    spec = StructuredOutputsParams(regex="[0-9]+")
+    s.add_request(Request("g", [1, 2, 3], SamplingParams(max_tokens=4, structured_outputs=spec),
+                          eos_token_id=0))
+    s.add_request(Request("free", [4, 5], SamplingParams(max_tokens=4), eos_token_id=0))
+    first = s.schedule()
+    assert list(first.num_scheduled_tokens) == ["free"]
+    assert first.structured_output_request_ids == []
+    assert s.make_stats().num_waiting_reqs == 1 and s.has_unfinished_requests
+    s.update_from_output(first, ModelRunnerOutput(["free"], [7]))
+    compiles.futures[0].set_result(_Grammar({8}))
+    second = s.schedule()
+    assert list(second.num_scheduled_tokens) == ["free", "g"]
+    assert second.structured_output_request_ids == ["g"]
+    request = s.requests["g"]
+    outs = s.update_from_output(second, ModelRunnerOutput(["free", "g"], [7, 9]))
+    # 9 is outside the grammar: the request ends with an error instead of going on unmatched.
+    assert outs[1].finish_reason == FinishReason.ERROR and "does not match" in outs[1].error
+    assert request.is_finished
+    assert "g" not in s.requests
+
+
+def test_a_failed_compile_is_an_error_output_and_frees_the_request():
+    compiles = _SlowCompiles()
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(block_size=4), 16, 64,
+                  structured_output=compiles)
+    spec = StructuredOutputsParams(regex="(")
+    s.add_request(Request("g", [1, 2], SamplingParams(structured_outputs=spec), eos_token_id=0))
+    compiles.futures[0].set_exception(GrammarSpecError("the regex grammar cannot be compiled"))
+    out = s.schedule()
+    assert not out.num_scheduled_tokens and not s.has_unfinished_requests
+    (rejected,) = s.take_rejected()
+    assert rejected.finish_reason == FinishReason.ERROR and "regex" in rejected.error
+
+
+def test_bitmask_masks_exactly_its_rows_and_bits():
+    """xgrammar's kernel, as the runner calls it, against the torch reference: rows mapped by
+    request id, rows of other requests untouched."""
+    logits = torch.randn(3, 40)
+    bitmask = torch.zeros(3, 2, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 3) - (1 << 31)  # tokens 3 and 31 (the sign bit of an int32)
+    bitmask[0, 1] = 1 << 5  # token 37
+    bitmask[2, 0] = 1 << 0
+    # "gone" finished while the step ran: the runner has no row for it.
+    msg = GrammarBitmask(1, ["a", "gone", "b"], bitmask.numpy().tobytes(), 2)
+    out = logits.clone()
+    apply_grammar_bitmask(out, msg, {"a": 2, "b": 0, "free": 1})
+    reference = logits.clone()
+    apply_token_bitmask_reference(reference, bitmask[[0, 2]], [2, 0])
+    assert torch.equal(out, reference)
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [3, 31, 37]
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0]
+    assert torch.equal(out[1], logits[1])
+
+
+def test_grammar_bitmask_travels_through_the_codec():
+    msg = GrammarBitmask(5, ["a", "b"], np.arange(6, dtype=np.int32).tobytes(), 3)
+    kind, back = decode(encode(msg))
+    assert kind == MsgKind.GRAMMAR_BITMASK and back == msg

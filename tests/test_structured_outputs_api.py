@@ -66,7 +66,7 @@ def test_json_schemas_on_chat_streamed_and_not_with_n_2(client):
     thread = threading.Thread(target=lambda: beside.append(
         client.completions.create(**free).choices[0].text))
     thread.start()
-    for i, schema in enumerate(SCHEMAS[:4]):
+    for i, schema in enumerate(SCHEMAS[:2]):
         kwargs = {"messages": MESSAGES, "response_format": schema_format(schema), "n": 2,
                   "max_tokens": 80, "temperature": 0.7, "seed": i}
         reply = client.chat.completions.create(model="m", **kwargs)
@@ -121,11 +121,11 @@ def test_json_object_response_format(client):
      "response_format: the JSON schema cannot be compiled: Unsupported type"),
     ({"guided_json": '{"type": '}, "guided_json", "the JSON schema is not valid JSON"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs",
-     "the regex cannot be compiled: Regex parsing error at position 4: The parenthesis is not "
-     "closed"),
+     ("the regex cannot be compiled: Regex parsing error at position 4: The parenthesis is not "
+     "closed")),
     ({"guided_grammar": "root ::= digit"}, "guided_grammar",
-     'the grammar cannot be compiled: EBNF parser error at line 1, column 10: Rule "digit" is '
-     "not defined"),
+     ('the grammar cannot be compiled: EBNF parser error at line 1, column 10: Rule "digit" is '
+     "not defined")),
     ({"guided_choice": []}, "guided_choice", "choice must be a non-empty list"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
      "set at most one output constraint; this request sets guided_regex, guided_choice"),

@@ -83,6 +83,11 @@ class StructuredOutputManager:
 
     # --------------------------------------------------------------------------- compile
 
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """The tokenizer (or xgrammar ``TokenizerInfo``) to compile against, before the first
+        grammar arrives."""
+        self._load_tokenizer = lambda: tokenizer
+
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """The compiled grammar of ``spec``, as a future (shared by equal specs)."""
         key = grammar_key(spec)
@@ -103,7 +108,9 @@ class StructuredOutputManager:
                 start = time.perf_counter()
                 tokenizer = self._load_tokenizer()
                 vocab_size = self._vocab_size()
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+                # A ready TokenizerInfo is taken as it is (benchmarks of dummy models).
+                info = (tokenizer if isinstance(tokenizer, xgr.TokenizerInfo) else
+                        xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
                 self.num_words = int(xgr.get_bitmask_shape(1, vocab_size)[1])
                 logger.info("structured outputs: grammar compiler for a vocabulary of %d "
