@@ -34,16 +34,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": (None,),
     "priority": (None, 0),
     "request_id": (None,),
-    # ---- issue #21 (structured outputs): refused until it merges; its merge removes these --
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
+    # xgrammar's default whitespace only (api/structured_outputs.py takes the other fields)
     "guided_whitespace_pattern": (None,),
-    # ---- end of issue #21's group ----
 }
 
 _UNSUPPORTED_COMPLETIONS: dict[str, tuple[Any, ...]] = {
@@ -75,7 +67,9 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
 
 # Accepted and ignored: none of them changes what bastion returns.
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "safety_identifier",
-             "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options")
+             "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+             # bastion has one grammar backend: "auto" and "xgrammar" name it (other names 400)
+             "guided_decoding_backend")
 
 
 def check_unsupported(body: dict, chat: bool) -> None:

@@ -21,6 +21,7 @@ from bastion.api.config import CONFIG_KEY, ApiConfig
 from bastion.api.connections import with_idle_timeout
 from bastion.api.errors import ApiError, bad_request
 from bastion.api.schemas import fields_set
+from bastion.api.structured_outputs import parse_structured_outputs
 from bastion.core.stop_matcher import stop_automaton
 from bastion.ipc.messages import InvalidParam, LoRARequest, SamplingParams
 
@@ -256,6 +257,7 @@ def base_sampling_params(body: dict, config: ApiConfig, logprobs: int | None,
             skip_special_tokens=get(body, "skip_special_tokens", True),
             logit_bias=_logit_bias(body, vocab_size),
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=parse_structured_outputs(body),
         )
     except InvalidParam as exc:
         raise bad_request(str(exc), exc.param) from None

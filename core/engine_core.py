@@ -18,6 +18,7 @@ from bastion.core.lora.peft import load_peft_adapter
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
 from bastion.core.spec_decode.metrics import SpecDecodingLogger
+from bastion.core.structured_output.manager import StructuredOutputManager
 from bastion.ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -51,7 +52,9 @@ def compute_num_blocks(config: EngineConfig, bytes_per_block: int, available_byt
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
-                 engine_id: int = 0) -> None:
+                 engine_id: int = 0, tokenizer: object | None = None) -> None:
+        """``tokenizer``: the model's, when the caller has it loaded (structured outputs
+        load it on their first grammar otherwise)."""
         self.config = config
         self.engine_id = engine_id
         self.executor = executor
@@ -70,11 +73,13 @@ class EngineCore:
                     time.perf_counter() - start)
         spec = config.speculative
         num_spec = spec.num_speculative_tokens if spec is not None else 0
+        self.structured_output = StructuredOutputManager(*_vocabulary(config, tokenizer))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len,
                                    num_spec,
                                    num_spec if spec is not None and spec.method == "draft_model"
                                    else 0,
-                                   config.lora.max_loras if config.lora.enable_lora else 0)
+                                   config.lora.max_loras if config.lora.enable_lora else 0,
+                                   self.structured_output)
         self.loras: dict[int, LoRARequest] = {}  # loaded adapters by id
         par = config.parallel
         self.is_coupled = par.data_parallel_size > 1 and par.enable_expert_parallel
@@ -151,6 +156,7 @@ class EngineCore:
         else:
             sched = self.scheduler.schedule()
             result = self.executor.execute_model_async(sched)
+            self._send_bitmask(sched)
             outputs = self.scheduler.update_from_output(sched, result.output())
         stats = self.scheduler.make_stats()
         if self.spec_logger is not None:
@@ -182,7 +188,14 @@ class EngineCore:
         # Scheduled nothing (pool full) while another engine has tokens: padding rows only.
         sched.is_dummy = num_rows > 0 and not num_tokens
         result = self.executor.execute_model_async(sched)
+        self._send_bitmask(sched)
         return self.scheduler.update_from_output(sched, result.output())
+
+    def _send_bitmask(self, sched: SchedulerOutput) -> None:
+        """A launched step with grammar rows samples once it has their bitmask, filled here
+        while the device runs its forward."""
+        if sched.structured_output_request_ids:
+            self.executor.sample_tokens(self.scheduler.grammar_bitmask(sched))
 
     def _dp_agree(self, num_tokens: int, is_decode_only: bool) -> tuple[int, bool]:
         if self.dp_sync is None:
@@ -191,18 +204,24 @@ class EngineCore:
         return self.dp_sync(num_tokens, is_decode_only)
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        launched = False
+        launched = None
         if self.scheduler.has_unfinished_requests and len(self.inflight) < 2:
             sched = self.scheduler.schedule()
             if sched.num_scheduled_tokens or sched.finished_request_ids:
                 self.inflight.append((sched, self.executor.execute_model_async(sched)))
-                launched = True
+                launched = sched
         if not self.inflight:  # nothing could run: deadlines still pass
             return self.scheduler.take_rejected() + self.scheduler.expire_deadlines()
-        if launched and len(self.inflight) < 2:
+        if launched is not None and len(self.inflight) < 2:
+            self._send_bitmask(launched)
             return self.scheduler.take_rejected()  # keep one step queued behind the device
         sched, result = self.inflight.popleft()
-        return self.scheduler.update_from_output(sched, result.output())
+        outputs = self.scheduler.update_from_output(sched, result.output())
+        if launched is not None:
+            # NOTE: only now, with the step before it folded in, do the launched step's
+            # matchers hold every token but the one it samples.
+            self._send_bitmask(launched)
+        return outputs
 
     def drop_all_requests(self) -> None:
         """Forget every request and all KV state, with no outputs (fault recovery: the front
@@ -211,7 +230,25 @@ class EngineCore:
         self.scheduler.drop_all()
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def _vocabulary(config: EngineConfig, tokenizer: object | None
+                ) -> tuple[Callable[[], object], Callable[[], int]]:
+    """How the grammar compiler gets the tokenizer and the logits' width, on first use."""
+
+    def load() -> object:
+        from bastion.core.loader import load_tokenizer, resolve_model
+
+        return tokenizer or load_tokenizer(config.model, resolve_model(config.model))
+
+    def vocab_size() -> int:
+        from bastion.core.loader import resolve_model
+
+        return resolve_model(config.model).hf_config.vocab_size
+
+    return load, vocab_size
 
 
 def _is_decode_only(sched: SchedulerOutput) -> bool:

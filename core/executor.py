@@ -10,7 +10,7 @@ from typing import Protocol
 
 from bastion.core.config import EngineConfig
 from bastion.core.model_runner import ModelRunner
-from bastion.ipc.messages import ModelRunnerOutput, SchedulerOutput
+from bastion.ipc.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
 class StepResult(Protocol):
@@ -27,6 +27,10 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     def execute_model_async(self, sched: SchedulerOutput) -> StepResult: ...
+
+    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
+        """The grammar bitmask of the last launched step, which samples only once it has it
+        (a step whose ``structured_output_request_ids`` is not empty)."""
 
     def reset(self) -> None: ...
 
@@ -49,6 +53,9 @@ class UniProcExecutor:
 
     def execute_model_async(self, sched: SchedulerOutput) -> StepResult:
         return self.runner.execute_model_async(sched)
+
+    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
+        self.runner.sample_tokens(bitmask)
 
     def reset(self) -> None:
         self.runner.reset()

@@ -57,7 +57,8 @@ class LLM:
         self.engine: EngineCore | None = None
         executor = self._make_executor()
         try:
-            self.engine = EngineCore(self.config, executor, self.max_model_len)
+            self.engine = EngineCore(self.config, executor, self.max_model_len,
+                                     tokenizer=self.tokenizer)
         except BaseException:
             executor.shutdown()
             self._remove_runtime_dir()

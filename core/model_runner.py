@@ -28,7 +28,9 @@ from bastion.core.spec_decode.draft_model import DraftModelProposer
 from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
+from bastion.core.structured_output.bitmask import apply_grammar_bitmask
 from bastion.ipc.messages import (
+    GrammarBitmask,
     Logprobs,
     LoRARequest,
     ModelRunnerOutput,
@@ -124,15 +126,30 @@ class StepHandle:
                  prompt_logprobs: list[PromptLogprobs] | None = None) -> None:
         self.step_id = step_id
         self.prompt_logprobs = prompt_logprobs or []
-        self.states = states or []
-        self.sampled = None if out is None else out.sampled_token_ids  # stays on the device
         self._event = None
         self._output: ModelRunnerOutput | None = None
+        self._host = None
         self._lock = threading.Lock()
+        # A step under a grammar waits for its bitmask before it samples (``attach``).
+        self.is_deferred = False
         if out is None:
-            self._host = None
+            self.states, self.sampled = states or [], None
             self._output = ModelRunnerOutput(step_id=step_id, prompt_logprobs=self.prompt_logprobs)
             return
+        self.attach(states, out)
+
+    @classmethod
+    def deferred(cls, step_id: int,
+                 prompt_logprobs: list[PromptLogprobs] | None = None) -> StepHandle:
+        """A step whose forward is launched and whose sampling waits for its bitmask."""
+        handle = cls(step_id, prompt_logprobs=prompt_logprobs)
+        handle._output, handle.is_deferred = None, True
+        return handle
+
+    def attach(self, states: list[CachedRequestState], out: SamplerOutput) -> None:
+        self.states = states
+        self.sampled = out.sampled_token_ids  # stays on the device
+        self.is_deferred = False
         tensors = [out.sampled_token_ids]
         if out.logprobs is not None:
             tensors.extend(out.logprobs)
@@ -150,11 +167,17 @@ class StepHandle:
         handle._output = output
         return handle
 
+    def set_output(self, output: ModelRunnerOutput) -> None:
+        self._output, self.is_deferred = output, False
+
     def token_ids(self) -> list[int]:
         return self.output().sampled_token_ids
 
     def output(self) -> ModelRunnerOutput:
         with self._lock:
+            if self.is_deferred:
+                raise RuntimeError(f"step {self.step_id} was asked for its tokens before its "
+                                   "grammar bitmask arrived")
             if self._output is None:
                 if self._event is not None:
                     self._event.synchronize()
@@ -204,6 +227,8 @@ class ModelRunner:
                          if spec is not None and spec.method == "ngram" else None)
         self.drafter: DraftModelProposer | None = None  # built in load_model
         self.lora_manager: LoRAManager | None = None  # built in load_model with --enable-lora
+        # A launched step waiting for its grammar bitmask to sample (at most one).
+        self._deferred: _DeferredSample | None = None
 
     # ------------------------------------------------------------------------- set-up
 
@@ -352,6 +377,7 @@ class ModelRunner:
         """Forget all per-request state (fault recovery)."""
         self.requests.clear()
         self.inflight.clear()
+        self._deferred = None
 
     def _fold_tokens(self, keep: int) -> None:
         """Append the sampled tokens of all in-flight steps but the newest ``keep`` to their
@@ -399,6 +425,9 @@ class ModelRunner:
         from that step's sampled tensor on the device, so this step queues behind it on the
         stream without the host ever waiting for it.
         """
+        if self._deferred is not None:
+            raise RuntimeError(f"step {sched.step_id} arrived before the grammar bitmask of "
+                               f"step {self._deferred.handle.step_id}")
         if self.proposer is not None or self.drafter is not None:
             return self._execute_spec(sched)
         self._fold_tokens(keep=1)
@@ -428,10 +457,48 @@ class ModelRunner:
                 return StepHandle(sched.step_id, prompt_logprobs=prompt_logprobs)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
+        if sched.structured_output_request_ids:
+            return self._defer(sched, logits, states, prompt_logprobs)
+        return self._sample_step(StepHandle.deferred(sched.step_id, prompt_logprobs), logits,
+                                 states)
+
+    def _defer(self, sched: SchedulerOutput, logits: torch.Tensor,
+               states: list[CachedRequestState],
+               prompt_logprobs: list[PromptLogprobs]) -> StepHandle:
+        handle = StepHandle.deferred(sched.step_id, prompt_logprobs)
+        self._deferred = _DeferredSample(handle, logits, states,
+                                         sched.scheduled_spec_decode_tokens)
+        return handle
+
+    @torch.inference_mode()
+    def sample_tokens(self, msg: GrammarBitmask) -> StepHandle | None:
+        """Sample the deferred step under its grammar bitmask (the forward has been queued
+        on the device since ``execute_model_async``); None when no step waits for it."""
+        pending, self._deferred = self._deferred, None
+        if pending is None or pending.handle.step_id != msg.step_id:
+            if pending is not None:
+                raise RuntimeError(f"the grammar bitmask of step {msg.step_id} arrived while "
+                                   f"step {pending.handle.step_id} waits for its own")
+            return None
+        spec = pending.spec
+        row_of, row = {}, 0
+        for state in pending.states:  # a row with d drafts has d + 1 logits rows
+            row_of[state.request_id] = row
+            row += len(spec.get(state.request_id, ())) + 1
+        apply_grammar_bitmask(pending.logits, msg, row_of)
+        if self.proposer is not None or self.drafter is not None:
+            pending.handle.set_output(self._verify_step(pending.handle.step_id, pending.logits,
+                                                        pending.states, spec,
+                                                        pending.handle.prompt_logprobs))
+            return pending.handle
+        return self._sample_step(pending.handle, pending.logits, pending.states)
+
+    def _sample_step(self, handle: StepHandle, logits: torch.Tensor,
+                     states: list[CachedRequestState]) -> StepHandle:
         if any(s.needs_output_ids and s.num_pending for s in states):
             self._fold_tokens(keep=0)  # penalties and min_tokens read every token so far
         out = _sync_sampled_tokens(self._sample(logits, states))
-        handle = StepHandle(sched.step_id, states, out, prompt_logprobs)
+        handle.attach(states, out)
         for row, state in enumerate(states):
             state.num_pending += 1
             state.pending_row = row
@@ -480,6 +547,14 @@ class ModelRunner:
                 return StepHandle(sched.step_id, prompt_logprobs=prompt_logprobs)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
+        if sched.structured_output_request_ids:
+            return self._defer(sched, logits, states, prompt_logprobs)
+        return StepHandle.ready(self._verify_step(sched.step_id, logits, states, spec,
+                                                  prompt_logprobs))
+
+    def _verify_step(self, step_id: int, logits: torch.Tensor, states: list[CachedRequestState],
+                     spec: dict[str, list[int]],
+                     prompt_logprobs: list[PromptLogprobs]) -> ModelRunnerOutput:
         requests = []
         for s in states:
             drafts = spec.get(s.request_id, [])
@@ -497,9 +572,8 @@ class ModelRunner:
                 state.draft_probs = q
         else:
             drafts = [self.proposer.propose(s.token_ids) for s in states]
-        return StepHandle.ready(ModelRunnerOutput(
-            [s.request_id for s in states], [], result.logprobs, sched.step_id,
-            result.token_ids, drafts, prompt_logprobs))
+        return ModelRunnerOutput([s.request_id for s in states], [], result.logprobs, step_id,
+                                 result.token_ids, drafts, prompt_logprobs)
 
     def _prepare_verify(self, sched: SchedulerOutput, spec: dict[str, list[int]]
                         ) -> tuple[list[CachedRequestState], DecodeInputs, np.ndarray] | None:
@@ -827,6 +901,16 @@ def _sync_sampled_tokens(out: SamplerOutput) -> SamplerOutput:
     if tp.world_size > 1:
         tp.broadcast(out.sampled_token_ids, src=0)
     return out
+
+
+@dataclass
+class _DeferredSample:
+    """A launched step's logits (still being computed on the device) waiting for its bitmask."""
+
+    handle: StepHandle
+    logits: torch.Tensor
+    states: list[CachedRequestState]
+    spec: dict[str, list[int]]
 
 
 @dataclass

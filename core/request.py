@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from bastion.ipc.messages import (
     EngineCoreRequest,
@@ -13,6 +15,9 @@ from bastion.ipc.messages import (
     PromptLogprobs,
     SamplingParams,
 )
+
+if TYPE_CHECKING:
+    from bastion.core.structured_output.manager import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,6 +71,10 @@ class Request:
         # chunk computed again after a preemption, with other boundaries, overwrites its rows.
         self.prompt_logprobs_rows: dict[int, tuple[list[int], list[float], int]] | None = (
             {} if params.prompt_logprobs is not None else None)
+        # Structured outputs: the grammar's compilation while the request waits for it, then
+        # its matcher, advanced by every output token.
+        self.grammar_future: Future | None = None
+        self.grammar: RequestGrammar | None = None
         # Prompt plus max_tokens; the scheduler lowers it to its max_model_len on admission.
         max_tokens = params.max_tokens
         self.max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None

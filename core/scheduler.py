@@ -9,10 +9,12 @@ from collections.abc import Iterable
 from bastion.core.config import CacheConfig, SchedulerConfig
 from bastion.core.kv_cache_manager import KVCacheManager
 from bastion.core.request import Request, RequestStatus
+from bastion.core.structured_output.manager import StructuredOutputManager
 from bastion.ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,
     FinishReason,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -31,7 +33,8 @@ class Scheduler:
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, num_spec_tokens: int = 0,
-                 num_lookahead_tokens: int = 0, max_loras: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, max_loras: int = 0,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -60,6 +63,11 @@ class Scheduler:
         self.max_loras = max_loras
         self.removing_loras: set[int] = set()  # unloaded; freed once their requests are done
 
+        # Structured outputs: requests whose grammar is still compiling wait here, out of
+        # ``waiting``, so the requests behind them are admitted meanwhile.
+        self.structured_output = structured_output
+        self.compiling: list[Request] = []
+
     # ---------------------------------------------------------------- admission and removal
 
     def add_request(self, request: Request) -> None:
@@ -78,6 +86,11 @@ class Scheduler:
             return
         self.requests[request.request_id] = request
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
+        if request.sampling_params.structured_outputs is not None:
+            request.grammar_future = self.structured_output.compile(
+                request.sampling_params.structured_outputs)
+            self.compiling.append(request)
+            return
         self._enqueue(request)
 
     def _admission_error(self, request: Request) -> str | None:
@@ -88,6 +101,8 @@ class Scheduler:
                     "LoRA is not enabled (--enable-lora)")
         if request.num_prompt_tokens == 0:
             return "the prompt is empty"
+        if request.sampling_params.structured_outputs is not None and not self.structured_output:
+            return "this engine was built without structured outputs"
         if request.num_tokens >= self.max_model_len:
             return (f"the prompt has {request.num_prompt_tokens} tokens; this engine accepts at "
                     f"most {self.max_model_len - 1} (max_model_len {self.max_model_len})")
@@ -127,6 +142,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.compiling:
+            self.compiling.remove(request)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         if request.request_id in self.known_by_workers:
@@ -135,11 +152,30 @@ class Scheduler:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.compiling)
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar is ready to ``waiting`` (or fail them); with nothing
+        else to run, wait a little for one instead of spinning the busy loop."""
+        if not (self.waiting or self.running):
+            self.structured_output.wait_any([r.grammar_future for r in self.compiling], 0.01)
+        for request in [r for r in self.compiling if r.grammar_future.done()]:
+            self.compiling.remove(request)
+            try:
+                self.structured_output.attach_grammar(request)
+            except ValueError as exc:
+                request.finish(FinishReason.ERROR, error=str(exc))
+                self.requests.pop(request.request_id, None)
+                self.rejected.append(EngineCoreOutput(request.request_id, [],
+                                                      FinishReason.ERROR, error=str(exc)))
+                continue
+            self._enqueue(request)
 
     # ------------------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
+        if self.compiling:
+            self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -225,11 +261,14 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))  # they keep their place in the queue
 
         scheduled = {}
+        grammar_ids = []
         for request_id, n in num_scheduled.items():
             request = scheduled[request_id] = self.requests[request_id]
             request.num_computed_tokens += n
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
+                if request.grammar is not None:
+                    grammar_ids.append(request_id)
         for request_id in spec_tokens:  # a row with drafts samples too (past its drafts)
             scheduled[request_id].num_output_placeholders += 1
         self.step_id += 1
@@ -242,6 +281,8 @@ class Scheduler:
             out.removed_lora_ids = self._take_removable_loras()
         if spec_tokens:
             out.scheduled_spec_decode_tokens = spec_tokens
+        if grammar_ids:
+            out.structured_output_request_ids = grammar_ids
         self.finished_ids = []
         return out
 
@@ -256,10 +297,30 @@ class Scheduler:
         self.removing_loras.difference_update(done)
         return done
 
+    def grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
+        """The bitmask of a launched step's grammar rows, from their matchers as they are now.
+
+        NOTE: called once every step before ``sched`` is folded in (async scheduling: the one
+        step before it included), so each matcher has consumed every token of its request but
+        the one this step samples. A request that finished meanwhile gets no row.
+        """
+        request_ids, grammars = [], []
+        for request_id in sched.structured_output_request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished or request.grammar is None:
+                continue
+            request_ids.append(request_id)
+            grammars.append(request.grammar)
+        return self.structured_output.fill_bitmask(sched.step_id, request_ids, grammars)
+
     def _allocate_spec(self, request: Request, num_new: int,
                        budget: int) -> tuple[list[int] | None, list[int]]:
         """Blocks for a running row's ``num_new`` tokens plus its drafts (and the draft
         model's lookahead slots); without room for the extras, for ``num_new`` alone."""
+        if request.grammar is not None:
+            # NOTE: grammar rows do not speculate: a draft the grammar forbids would need its
+            # matcher rolled back, and the mask of each draft position filled ahead.
+            request.spec_token_ids = []
         drafts = self._take_drafts(request, num_new, budget) if request.spec_token_ids else []
         lookahead = (self._lookahead(request, num_new + len(drafts))
                      if self.num_lookahead_tokens else 0)
@@ -341,7 +402,7 @@ class Scheduler:
             output = EngineCoreOutput(
                 request_id, [token_id], request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0),
-                logprobs_rows[i] if i < len(logprobs_rows) else None)
+                logprobs_rows[i] if i < len(logprobs_rows) else None, request.error)
             output.prompt_logprobs = request.take_prompt_logprobs()
             if len(request.output_token_ids) == 1 and request.scheduled_time is not None:
                 output.queue_time_s = request.scheduled_time - request.queued_time
@@ -404,11 +465,20 @@ class Scheduler:
                 request.add_prompt_logprobs(part)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            # The step's bitmask allowed only what the grammar accepts; this is a bug, and the
+            # request cannot go on under its grammar.
+            request.finish(FinishReason.ERROR, error=f"token {token_id} does not match the "
+                           "request's grammar")
+            return
         params = request.sampling_params
         is_eos = token_id == request.eos_token_id and not params.ignore_eos
         if ((is_eos or token_id in params.stop_token_ids)
                 and request.num_output_tokens >= params.min_tokens):
             request.finish(FinishReason.STOP, stop_reason=None if is_eos else token_id)
+        elif grammar is not None and grammar.is_terminated:
+            request.finish(FinishReason.STOP)  # complete and stopped (ignore_eos kept going)
         elif self._at_length_limit(request):
             request.finish(FinishReason.LENGTH)
 
@@ -435,6 +505,7 @@ class Scheduler:
         self.requests.clear()
         self.waiting.clear()
         self.running.clear()
+        self.compiling.clear()
         self.rejected.clear()
         self.kv.reset()
         self.scheduled.clear()
@@ -442,7 +513,8 @@ class Scheduler:
         self.finished_ids.clear()
 
     def make_stats(self) -> SchedulerStats:
-        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+        stats = SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling),
+                               self.kv.usage(),
                                self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
                                self.step_id, self.iteration_tokens, self.num_blocks)
         if self.spec_stats.num_drafts:

@@ -31,6 +31,7 @@ class MsgKind(enum.IntEnum):
     CONTROL = 15
     CONTROL_REPLY = 16
     PEER = 17
+    GRAMMAR_BITMASK = 18
 
 
 _TYPES: dict[MsgKind, type] = {
@@ -51,6 +52,7 @@ _TYPES: dict[MsgKind, type] = {
     MsgKind.CONTROL: m.ControlRequest,
     MsgKind.CONTROL_REPLY: m.ControlReply,
     MsgKind.PEER: m.PeerMessage,
+    MsgKind.GRAMMAR_BITMASK: m.GrammarBitmask,
 }
 _KIND_OF = {cls: kind for kind, cls in _TYPES.items() if kind != MsgKind.SHUTDOWN}
 _ENCODER = msgspec.msgpack.Encoder()

@@ -25,6 +25,9 @@ class StructuredOutputsParams(msgspec.Struct, **_WIRE):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # Reasoning models (vLLM applies the grammar after the reasoning part): the grammar
+    # constrains only the tokens after the first output token equal to this id.
+    start_after_token_id: int | None = None
 
     def kinds(self) -> list[str]:
         named = {"json": self.json, "regex": self.regex, "choice": self.choice,
@@ -322,6 +325,9 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # LoRA adapters unloaded (once no request of theirs was left): workers free their slots.
     removed_lora_ids: list[int] = []
+    # Structured outputs: the rows of this step that sample under a grammar. The workers run
+    # the forward, then wait for this step's ``GrammarBitmask`` before they sample.
+    structured_output_request_ids: list[str] = []
 
 
 class PromptLogprobs(msgspec.Struct, **_WIRE):
@@ -331,6 +337,20 @@ class PromptLogprobs(msgspec.Struct, **_WIRE):
     request_id: str
     start: int
     logprobs: Logprobs
+
+
+class GrammarBitmask(msgspec.Struct, **_WIRE):
+    """Engine -> workers, after the step's EXECUTE: the tokens each grammar row may sample.
+
+    ``bitmask`` is ``len(request_ids)`` rows of ``num_words`` little-endian int32 words; bit
+    ``t % 32`` of word ``t // 32`` set means token ``t`` is allowed. Rows of the step not named
+    here are sampled unmasked (their request finished while the step ran).
+    """
+
+    step_id: int
+    request_ids: list[str]
+    bitmask: bytes
+    num_words: int
 
 
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):

@@ -17,6 +17,7 @@ from bastion.core.loader import resolve_model
 from bastion.ipc.codec import MsgKind, decode, encode, shutdown_frames
 from bastion.ipc.messages import (
     Failure,
+    GrammarBitmask,
     HandshakeInfo,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -142,6 +143,9 @@ class MultiprocExecutor:
         so the engine can schedule (and send) the next step first."""
         self._broadcast(encode(sched))
         return _PendingStep(self, sched.step_id)
+
+    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
+        self._broadcast(encode(bitmask))
 
     def _wait_output(self, step_id: int) -> ModelRunnerOutput:
         while True:

@@ -202,12 +202,15 @@ def _serve(worker: Worker, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                 sender.put(encode(worker.handle_call(msg)))
                 continue
             try:
-                handle = worker.runner.execute_model_async(msg)
+                if kind == MsgKind.GRAMMAR_BITMASK:  # a deferred step samples now
+                    handle = worker.runner.sample_tokens(msg)
+                else:
+                    handle = worker.runner.execute_model_async(msg)
             except Exception:
                 logger.exception("worker %d: step failed", worker.rank)
                 sender.put(encode(Failure("worker", worker.rank, traceback.format_exc())))
                 continue
-            if worker.rank == 0:
+            if worker.rank == 0 and handle is not None and not handle.is_deferred:
                 sender.put(handle)
     finally:
         sender.close()

@@ -93,6 +93,19 @@ _SAMPLING = {
                         is None),
     # bastion's own (also the X-Request-Timeout header).
     "timeout": ({"timeout": 30}, lambda e, b, t: e.requests[0][3] is not None),
+    # Structured outputs (api/structured_outputs.py): one constraint for the engine.
+    "response_format": ({"response_format": {"type": "json_object"}},
+                        lambda e, b, t: params(e).structured_outputs.json_object),
+    "structured_outputs": ({"structured_outputs": {"regex": "a+"}},
+                           lambda e, b, t: params(e).structured_outputs.regex == "a+"),
+    "guided_json": ({"guided_json": {"type": "object"}}, lambda e, b, t:
+                    json.loads(params(e).structured_outputs.json) == {"type": "object"}),
+    "guided_regex": ({"guided_regex": "b+"},
+                     lambda e, b, t: params(e).structured_outputs.regex == "b+"),
+    "guided_choice": ({"guided_choice": ["yes", "no"]},
+                      lambda e, b, t: params(e).structured_outputs.choice == ["yes", "no"]),
+    "guided_grammar": ({"guided_grammar": 'root ::= "a" | "b"'}, lambda e, b, t:
+                       params(e).structured_outputs.grammar == 'root ::= "a" | "b"'),
 }
 
 
@@ -162,7 +175,7 @@ HONOURED: dict[str, dict[str, tuple[dict, Check]]] = {
 # Accepted, no effect on the output: the engine gets exactly what it gets without them.
 INERT = {"user": "u-1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto",
          "safety_identifier": "s-1", "prompt_cache_key": "k-1", "prompt_cache_retention": "24h",
-         "prompt_cache_options": {}}
+         "prompt_cache_options": {}, "guided_decoding_backend": "xgrammar"}
 
 # A value each refused field must be refused with.
 REFUSED_VALUES: dict[str, Any] = {
@@ -175,10 +188,7 @@ REFUSED_VALUES: dict[str, Any] = {
     "return_token_ids": True, "cache_salt": "s", "kv_transfer_params": {}, "vllm_xargs": {},
     "priority": 1, "request_id": "r-1", "mm_processor_kwargs": {},
     "echo": True, "continue_final_message": True, "documents": [], "chat_template": "{{ x }}",
-    # Issue #21's fields (api/fields.py's marked group): its merge moves them to HONOURED.
-    "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"},
-    "guided_json": {}, "guided_regex": "a", "guided_choice": ["a"], "guided_grammar": "x",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "guided_whitespace_pattern": " ",
     "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low",
     "include_reasoning": False,
 }

@@ -1,0 +1,176 @@
+"""Grammars for the engine core: compiled off the busy loop, cached, matched per request, and
+turned into each step's next-token bitmask.
+
+The matchers live here, in the process that schedules (as in vLLM V1): the scheduler advances
+a request's matcher by exactly the tokens it appends, and after a step is launched the engine
+fills that step's bitmask while the device computes the forward; the workers only apply it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bastion.core.structured_output.spec import (
+    JSON_SCHEMA_OPTIONS,
+    GrammarKey,
+    GrammarSpecError,
+    clean_error,
+    grammar_key,
+)
+from bastion.ipc.messages import GrammarBitmask, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from bastion.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Rows from which one step's bitmask is filled by xgrammar's thread pool instead of a loop.
+_BATCH_FILL_MIN_ROWS = 16
+
+
+class RequestGrammar:
+    """One request's matcher. With ``start_after_token_id`` (reasoning models) the grammar
+    constrains nothing until that token has been output, and applies to what follows it."""
+
+    def __init__(self, compiled: Any, eos_token_id: int | None,
+                 start_after_token_id: int | None = None) -> None:
+        import xgrammar as xgr
+
+        stop = [eos_token_id] if eos_token_id is not None else None
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
+        self.start_after_token_id = start_after_token_id
+        self.is_active = start_after_token_id is None
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one output token; False when the grammar does not allow it."""
+        if not self.is_active:
+            self.is_active = token_id == self.start_after_token_id
+            return True
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.is_active and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    """Compiles (on its own threads), caches by ``GrammarKey`` and fills bitmasks.
+
+    ``load_tokenizer`` is called once, on a compile thread, when the first grammar arrives: a
+    server that never sees one never pays for the vocabulary's table.
+    """
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: Callable[[], int],
+                 max_compile_threads: int = 2, max_cached: int = 256) -> None:
+        self._load_tokenizer = load_tokenizer
+        self._vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(max_compile_threads, thread_name_prefix="grammar")
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._max_cached = max_cached
+        self._batch_matcher: Any = None
+        self.num_words = 0  # int32 words of one bitmask row, known once the compiler exists
+
+    # --------------------------------------------------------------------------- compile
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """The tokenizer (or xgrammar ``TokenizerInfo``) to compile against, before the first
+        grammar arrives."""
+        self._load_tokenizer = lambda: tokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> Future:
+        """The compiled grammar of ``spec``, as a future (shared by equal specs)."""
+        key = grammar_key(spec)
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        future = self._cache[key] = self._pool.submit(self._compile, key)
+        while len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compiler_for(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                start = time.perf_counter()
+                tokenizer = self._load_tokenizer()
+                vocab_size = self._vocab_size()
+                # A ready TokenizerInfo is taken as it is (benchmarks of dummy models).
+                info = (tokenizer if isinstance(tokenizer, xgr.TokenizerInfo) else
+                        xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+                self.num_words = int(xgr.get_bitmask_shape(1, vocab_size)[1])
+                logger.info("structured outputs: grammar compiler for a vocabulary of %d "
+                            "built in %.2f s", vocab_size, time.perf_counter() - start)
+            return self._compiler
+
+    def _compile(self, key: GrammarKey) -> Any:
+        compiler = self._compiler_for()
+        try:
+            if key.kind == "json":
+                return compiler.compile_json_schema(key.text, **JSON_SCHEMA_OPTIONS)
+            if key.kind == "regex":
+                return compiler.compile_regex(key.text)
+            if key.kind == "grammar":
+                return compiler.compile_grammar(key.text)
+            return compiler.compile_builtin_json_grammar()
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others
+            raise GrammarSpecError(f"the {key.kind} grammar cannot be compiled: "
+                                   f"{clean_error(exc)}") from None
+
+    @staticmethod
+    def attach_grammar(request: Request) -> None:
+        """Give a request whose compilation finished its matcher, advanced by the tokens it
+        already has (a request resumed after a fault continues its grammar from the tokens it
+        streamed; a preempted one keeps its matcher). Raises ``GrammarSpecError``."""
+        compiled = request.grammar_future.result()  # raises the compile's GrammarSpecError
+        request.grammar_future = None
+        spec = request.sampling_params.structured_outputs
+        grammar = RequestGrammar(compiled, request.eos_token_id, spec.start_after_token_id)
+        for token_id in request.output_token_ids:
+            if not grammar.accept(token_id):
+                raise GrammarSpecError(f"the request's tokens so far do not match its grammar "
+                                       f"(token {token_id})")
+        request.grammar = grammar
+
+    @staticmethod
+    def wait_any(futures: list[Future], timeout_s: float) -> None:
+        concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+
+    # ------------------------------------------------------------------------- bitmask
+
+    def fill_bitmask(self, step_id: int, request_ids: list[str],
+                     grammars: list[RequestGrammar]) -> GrammarBitmask:
+        """One step's bitmask: row ``i`` is what ``grammars[i]`` allows next (a grammar not
+        active yet allows everything)."""
+        bitmask = np.empty((len(grammars), self.num_words), dtype=np.int32)
+        active = [i for i, g in enumerate(grammars) if g.is_active]
+        if len(active) < len(grammars):
+            bitmask.fill(-1)
+        if len(active) >= _BATCH_FILL_MIN_ROWS:
+            if self._batch_matcher is None:
+                import xgrammar as xgr
+
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(
+                [grammars[i].matcher for i in active], bitmask, active)
+        else:
+            for i in active:
+                grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
+        return GrammarBitmask(step_id, request_ids, bitmask.tobytes(), self.num_words)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
