@@ -208,11 +208,11 @@ def print_profile(profiles: dict[str, dict[str, list[float]]], top: int) -> None
         key=lambda n: -max(p.get(n, (0.0, 0.0))[0] for p in profiles.values()),
     )
     print(f"\ndevice time per batch-8 decode step, us (launches): {', '.join(labels)}")
-    header = "".join(f"{label[:22]:>24}" for label in labels)
+    header = "".join(f"{label[:23]:>24}" for label in labels)
     print(f"{'kernel':<70}{header}")
 
     def cell(us: float, calls: float) -> str:
-        return f"{us:>15.1f} ({calls:>5.0f})"
+        return f"{us:>16.1f} ({calls:>5.0f})"
 
     for name in names[:top]:
         cells = "".join(cell(*profiles[label].get(name, (0.0, 0.0))) for label in labels)
