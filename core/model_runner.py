@@ -212,6 +212,9 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         # Speculative decoding's verify steps (k + 1 tokens per sequence) have graphs of their own.
         self.verify_graph_runner: CUDAGraphRunner | None = None
+        # With --enable-lora, the decode buckets once more without the adapter kernels (same
+        # pool), replayed for steps where no row has an adapter: base traffic pays nothing.
+        self.base_graph_runner: CUDAGraphRunner | None = None
         self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
         # Steps whose tokens this runner has not folded into its request state yet, oldest
         # first; all but the newest are folded in at the start of each step.
@@ -336,6 +339,15 @@ class ModelRunner:
                                type(exc).__name__, exc)
                 return
             self.graph_runner = runner
+            if self.lora_manager is not None:
+                base = self.build_graph_runner(with_lora=False)
+                try:
+                    base.capture(pool=runner.pool)
+                    self.base_graph_runner = base
+                except Exception as exc:  # noqa: BLE001 - base-only steps replay the LoRA graphs
+                    torch.cuda.synchronize(self.device)
+                    logger.warning("CUDA graph capture without LoRA failed (%s: %s); base-only "
+                                   "steps replay the LoRA graphs", type(exc).__name__, exc)
             spec = self.config.speculative
             if spec is not None:
                 verify = self.build_graph_runner(spec.num_speculative_tokens + 1)
@@ -348,14 +360,16 @@ class ModelRunner:
                     return
                 self.verify_graph_runner = verify
 
-    def build_graph_runner(self, query_len: int = 1) -> CUDAGraphRunner:
+    def build_graph_runner(self, query_len: int = 1, with_lora: bool = True) -> CUDAGraphRunner:
         """Graphs for decode steps of ``query_len`` tokens per sequence (> 1: verify steps,
         captured up to ``_MAX_VERIFY_GRAPH_TOKENS`` tokens, as vLLM bounds its capture sizes).
         A verify step's padding tokens sit past its real ones, up to ``query_len - 1``
-        positions past max_model_len: the block table has room for them."""
+        positions past max_model_len: the block table has room for them. With LoRA enabled,
+        ``with_lora`` says whether the graphs are captured with the adapter kernels in (a
+        replay serves any mix of slots) or without (only steps with no adapter row); capture
+        right after building, since the flag set here decides it."""
         if self.lora_manager is not None:
-            # Captured with the adapter kernels in: a replay serves any mix of slots.
-            self.lora_manager.state.is_active = True
+            self.lora_manager.state.is_active = with_lora
         sizes = default_capture_sizes(self.config.scheduler.max_num_seqs)
         if query_len > 1:
             sizes = [s for s in sizes if s * query_len <= _MAX_VERIFY_GRAPH_TOKENS] or [1]
@@ -444,7 +458,8 @@ class ModelRunner:
             states, inputs = decode
             self._set_lora_rows(states, [1] * len(states),
                                 self.graph_runner.bucket(max(len(states), num_rows)))
-            logits = self.model.compute_logits(self.graph_runner.run(inputs, prev, num_rows))
+            runner = self._decode_graph_runner()
+            logits = self.model.compute_logits(runner.run(inputs, prev, num_rows))
         else:
             batch = self._prepare_inputs(sched, prev, num_rows)
             self._set_lora_rows([self.requests[rid] for rid in sched.num_scheduled_tokens],
@@ -637,6 +652,13 @@ class ModelRunner:
             return True
         return sched.dp_all_decode and self.graph_runner.bucket(num_rows) == num_rows
 
+    def _decode_graph_runner(self) -> CUDAGraphRunner:
+        """The decode graphs for this step, its adapter slots already set: the ones without
+        the LoRA kernels when no row has an adapter (the host knows every row's slot)."""
+        if self.base_graph_runner is not None and not self.lora_manager.state.is_active:
+            return self.base_graph_runner
+        return self.graph_runner
+
     def _dummy_run(self, num_rows: int = 1, replay: bool = False) -> None:
         """Padding rows through the model, stored nowhere (slot -1): an idle DP rank's share of
         the MoE layers' expert-parallel collectives while other ranks have work. One row is a
@@ -647,7 +669,7 @@ class ModelRunner:
                 self.graph_runner.bucket(num_rows) if replay else num_rows, -1, dtype=np.int32))
         if replay:
             empty = np.zeros(0, dtype=np.int64)
-            self.graph_runner.run(DecodeInputs(empty, empty, empty,
+            self._decode_graph_runner().run(DecodeInputs(empty, empty, empty,
                                                np.zeros((0, 1), dtype=np.int32)),
                                   min_size=num_rows)
             return

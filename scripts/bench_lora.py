@@ -13,7 +13,12 @@ CPU, the embedded SmolLM2 with 2 adapters (small workload):
 
 Each configuration runs in its own process (an 8B model twice does not fit one GPU). The base
 rows run without ``--enable-lora``; "lora engine, no adapter" is the LoRA engine serving base
-requests (its captured decode graphs always hold the adapter kernels). Prints one table last.
+requests (it replays decode graphs captured without the adapter kernels). Prints one table last.
+
+``--profile`` adds a second table: device time per kernel name for one batch-8 decode step
+(torch.profiler; on the CPU, CPU time per op) with one adapter, with the LoRA engine serving
+base requests, and on the base engine. A step's time is the difference between a run of
+``1 + --profile-steps`` output tokens and one of a single token (its prefill) over the steps.
 """
 
 from __future__ import annotations
@@ -144,7 +149,79 @@ def run_config(args: argparse.Namespace) -> dict:
     for label, lora in cases:
         timed(batch, latency, lora)
         rows[label] = min(timed(batch, latency, lora) for _ in range(args.latency_iters))
+        if args.profile:
+            per_step = profile_decode(llm, batch, lora, args.profile_steps, args.device)
+            print("PROFILE " + json.dumps({label.removeprefix("latency b8, "): per_step}))
     return rows
+
+
+def _kernel_times(prof, device: str) -> dict[str, list[float]]:
+    """{name: [microseconds, calls]} of the device kernels (CPU ops on the CPU) profiled."""
+    from torch.autograd import DeviceType
+
+    times: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        if device == "cuda":
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None:
+                us = evt.self_cuda_time_total
+        else:
+            us = evt.self_cpu_time_total
+        if us > 0:
+            times[evt.key] = [float(us), float(evt.count)]
+    return times
+
+
+def profile_decode(llm, batch, lora, num_steps: int, device: str) -> dict[str, list[float]]:
+    """{kernel: [device us, launches]} per decode step of ``batch``: a run of 1 + num_steps
+    output tokens less a run of 1 (the prefill and the first token), over num_steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bastion import SamplingParams
+
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    prompts = [{"prompt_token_ids": p} for p in batch]
+    runs = []
+    for max_tokens in (1, 1 + num_steps):
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        llm.generate(prompts, params, lora_request=lora, use_tqdm=False)  # warm
+        with profile(activities=activities) as prof:
+            llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        runs.append(_kernel_times(prof, device))
+    short, long = runs
+    per_step = {}
+    for name, (us, calls) in long.items():
+        base_us, base_calls = short.get(name, (0.0, 0.0))
+        per_step[name] = [(us - base_us) / num_steps, (calls - base_calls) / num_steps]
+    return per_step
+
+
+def print_profile(profiles: dict[str, dict[str, list[float]]], top: int) -> None:
+    """One row per kernel (the ``top`` slowest in any case): us and launches per decode step."""
+    labels = list(profiles)
+    names = sorted(
+        {n for p in profiles.values() for n in p},
+        key=lambda n: -max(p.get(n, (0.0, 0.0))[0] for p in profiles.values()),
+    )
+    print(f"\ndevice time per batch-8 decode step, us (launches): {', '.join(labels)}")
+    header = "".join(f"{label[:23]:>24}" for label in labels)
+    print(f"{'kernel':<70}{header}")
+
+    def cell(us: float, calls: float) -> str:
+        return f"{us:>16.1f} ({calls:>5.0f})"
+
+    for name in names[:top]:
+        cells = "".join(cell(*profiles[label].get(name, (0.0, 0.0))) for label in labels)
+        print(f"{name[:69]:<70}{cells}")
+    totals = "".join(
+        cell(sum(v[0] for v in p.values()), sum(v[1] for v in p.values()))
+        for p in profiles.values()
+    )
+    print(f"{'total':<70}{totals}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,6 +235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-input", type=int, default=32)
     p.add_argument("--latency-output", type=int, default=None, help="default: 128 GPU, 32 CPU")
     p.add_argument("--latency-iters", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="device time per kernel, decode b8")
+    p.add_argument("--profile-steps", type=int, default=8, help="decode steps profiled")
+    p.add_argument("--profile-top", type=int, default=30, help="kernels printed")
     p.add_argument("--only", choices=("base", "lora"), help=argparse.SUPPRESS)
     p.add_argument("--adapter-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -190,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     rows: dict[str, float] = {}
+    profiles: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as adapter_dir:
         for i in range(args.num_adapters):
             write_random_adapter(
@@ -214,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             out = run.stdout
             line = next(x for x in out.splitlines() if x.startswith("RESULT "))
             rows.update(json.loads(line[len("RESULT ") :]))
+            for x in out.splitlines():
+                if x.startswith("PROFILE "):
+                    profiles.update(json.loads(x[len("PROFILE ") :]))
     base_tput, base_lat = rows["throughput, base"], rows["latency b8, base"]
     print(
         f"\nbench_lora on {args.device}: {'Llama-3.1-8B dummy' if args.device == 'cuda' else 'embedded SmolLM2'}, "
@@ -227,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = value / (base_tput if is_tput else base_lat)
         unit = "tok/s" if is_tput else "s"
         print(f"{name:<40} {value:>8.{1 if is_tput else 3}f} {unit:<5} {ratio:>8.1%}")
+    if profiles:
+        print_profile(profiles, args.profile_top)
     return 0
 
 

@@ -28,8 +28,9 @@
 # speccheck (ngram and draft-model greedy tokens identical to plain decoding under the decode
 # and verify CUDA graphs, Qwen3-0.6B architecture, float32), lora (the LoRA kernels' tests
 # compiled, then scripts/bench_lora.py: Llama-3.1-8B architecture, 4 mixed rank-16 adapters
-# against the base model, and batch-8 latency with one), serve (bench_serve.py at rate inf and two finite
-# rates, 1000 prompts of 1024 in / 128 out, against the embedded model).
+# against the base model, batch-8 latency with one, and per-kernel decode time), serve
+# (bench_serve.py at rate inf and two finite rates, 1000 prompts of 1024 in / 128 out, against
+# the embedded model).
 #
 # Run from the repository root. Wheels for packages the machine lacks (msgspec, pyzmq, gguf,
 # setproctitle) are installed from .whl/ when present; the repository root is made importable
@@ -202,7 +203,7 @@ for s in $STAGES; do
       $PY scripts/gpu_spec_check.py ;;
     lora) stage lora 420 'passed|failed|tok/s|ms|x base|Error|error' -- bash -c \
       "$PY -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py && \
-       $PY scripts/bench_lora.py --device cuda" ;;
+       $PY scripts/bench_lora.py --device cuda --profile" ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -80,6 +80,38 @@ def test_tiny_qwen3_peft_parity_alone_and_in_one_mixed_batch(tiny_qwen3) -> None
         assert tokens(mixed) == [expected["a1"][0], expected[None][1], expected["a2"][2]]
 
 
+def test_base_only_decode_steps_replay_the_graphs_without_lora(tiny_qwen3) -> None:
+    """With LoRA enabled, decode steps where no row has an adapter go through the graphs
+    captured without the adapter kernels, steps with one through those with them. Here both
+    graph runners run their padded batches eagerly on the CPU (as in test_llm); exact tokens."""
+    expected, loras = tiny_qwen3["expected"], tiny_qwen3["loras"]
+    with LLM(tiny_qwen3["base"], enable_lora=True, max_loras=2, **TINY) as llm:
+        runner = llm.engine.executor.runner
+        runner.graph_runner = runner.build_graph_runner()
+        runner.base_graph_runner = runner.build_graph_runner(with_lora=False)
+        calls: dict[str, list[bool]] = {"graph_runner": [], "base_graph_runner": []}
+        for name, seen in calls.items():
+            graph_runner = getattr(runner, name)
+            run = graph_runner.run
+
+            def counting_run(inputs, *args, _run=run, _calls=seen, **kwargs):
+                _calls.append(runner.lora_manager.state.is_active)
+                return _run(inputs, *args, **kwargs)
+
+            graph_runner.run = counting_run
+        base = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert tokens(base) == expected[None]
+        assert calls["base_graph_runner"] and not calls["graph_runner"]
+        assert not any(calls["base_graph_runner"])
+        calls["base_graph_runner"].clear()
+        mixed = llm.generate(
+            PROMPTS, GREEDY, lora_request=[loras["a1"], None, loras["a2"]], use_tqdm=False
+        )
+        assert tokens(mixed) == [expected["a1"][0], expected[None][1], expected["a2"][2]]
+        assert calls["graph_runner"] and all(calls["graph_runner"])
+        assert not calls["base_graph_runner"]  # every step had an adapter row
+
+
 def test_lru_slots_serve_more_adapters_than_slots(tiny_qwen3) -> None:
     """One device slot and one host entry: every switch evicts and reloads, still exact."""
     expected, loras = tiny_qwen3["expected"], tiny_qwen3["loras"]

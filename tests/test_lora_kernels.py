@@ -1,7 +1,8 @@
 """LoRA shrink/expand Triton kernels against their torch references (ops/lora.py).
 
 Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) at small
-shapes in float32; ranks 8, 16 and 64, rows with no adapter, and batches mixing slots.
+shapes in float32; ranks 8, 16 and 64, rows with no adapter, batches mixing slots, K split
+into several partials or not.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if not HAS_CUDA:
 
 import pytest
 
-from bastion.ops.lora import lora_expand_ref, lora_shrink_ref
+from bastion.ops.lora import lora_expand_ref, lora_shrink_ref, lora_split_k, max_split_scratch
 
 
 def _interpreted_kernels() -> tuple[object, object]:
@@ -57,26 +58,39 @@ def _batch(num_tokens: int, rank: int, hidden: int, out: int, seed: int):
     return [t.to(DEVICE) for t in (x, a, b, slots, scales)]
 
 
-# 5 and 70 tokens: the decode path (K split, atomic adds); 2100: 33 row tiles, no split.
+# 5 and 70 tokens: decode batches, K split in 1, 2, 5 or 12 planes (560 columns are 9 blocks of
+# 64, so 12 splits leave some empty); 2100: 33 row tiles, no split.
 @pytest.mark.parametrize(
-    "rank, num_tokens", [(8, 5), (16, 5), (64, 5), (8, 70), (16, 70), (64, 70), (16, 2100)]
+    "rank, num_tokens, split_k",
+    [
+        (8, 5, 2),
+        (16, 5, 1),
+        (16, 5, 12),
+        (64, 5, 5),
+        (8, 70, 1),
+        (16, 70, 2),
+        (64, 70, 12),
+        (16, 2100, 1),
+    ],
 )
-def test_shrink_then_expand_match_the_reference(rank: int, num_tokens: int) -> None:
-    hidden, out = 48 if num_tokens > 70 else 560, 40  # 560: two K splits of the decode path
+def test_shrink_then_expand_match_the_reference(rank: int, num_tokens: int, split_k: int) -> None:
+    hidden, out = 48 if num_tokens > 70 else 560, 40
     x, a, b, slots, scales = _batch(num_tokens, rank, hidden, out, seed=rank + num_tokens)
-    h_ref = torch.full((num_tokens, rank), 7.0, device=DEVICE)
+    # Stale scratch: the shrink writes every partial of a row with a slot, so nothing is zeroed.
+    h_ref = torch.full((split_k, num_tokens, rank), 7.0, device=DEVICE)
     h_tri = h_ref.clone()
     lora_shrink_ref(x, a, slots, h_ref)
     lora_shrink_triton(x, a, slots, h_tri)
-    torch.testing.assert_close(h_tri, h_ref, **TOL)
+    torch.testing.assert_close(h_tri.sum(0), h_ref.sum(0), **TOL)
     none = slots < 0
-    assert bool((h_tri[none] == 7.0).all())  # rows without an adapter are untouched
+    assert bool((h_tri[:, none] == 7.0).all())  # rows without an adapter are untouched
 
     base = torch.randn(num_tokens, out + 8, device=DEVICE)
     y_ref, y_tri = base.clone(), base.clone()
-    # A column slice of a wider output, as a fused layer's q/k/v slices are.
+    # A column slice of a wider output, as a fused layer's q/k/v slices are; the kernel reads
+    # its own partials (split differently from the reference's).
     lora_expand_ref(h_ref, b, slots, scales, y_ref[:, 4 : 4 + out])
-    lora_expand_triton(h_ref, b, slots, scales, y_tri[:, 4 : 4 + out])
+    lora_expand_triton(h_tri, b, slots, scales, y_tri[:, 4 : 4 + out])
     torch.testing.assert_close(y_tri, y_ref, **TOL)
     assert torch.equal(y_tri[none], base[none])  # exactly the base output
     assert torch.equal(y_tri[:, :4], base[:, :4]) and torch.equal(
@@ -84,14 +98,37 @@ def test_shrink_then_expand_match_the_reference(rank: int, num_tokens: int) -> N
     )
     # And each row is its own adapter's delta.
     row = int(torch.nonzero(slots == 1)[0])
-    torch.testing.assert_close(h_tri[row], 7.0 + x[row] @ a[1].T, **TOL)
-    expected = base[row, 4 : 4 + out] + scales[1] * h_ref[row] @ b[1].T
+    torch.testing.assert_close(h_tri[:, row].sum(0), x[row] @ a[1].T, **TOL)
+    expected = base[row, 4 : 4 + out] + scales[1] * (x[row] @ a[1].T) @ b[1].T
     torch.testing.assert_close(y_tri[row, 4 : 4 + out], expected, **TOL)
+
+
+def test_expand_sums_the_partials_in_order() -> None:
+    # The same partials give bit-identical outputs run after run (no atomics).
+    x, a, b, slots, scales = _batch(5, 16, 560, 40, seed=3)
+    h = torch.empty(5, 5, 16, device=DEVICE)
+    lora_shrink_triton(x, a, slots, h)
+    outs = []
+    for _ in range(2):
+        y = torch.zeros(5, 40, device=DEVICE)
+        lora_expand_triton(h, b, slots, scales, y)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_split_k_is_for_decode_and_fits_the_scratch() -> None:
+    # Llama-3-8B: hidden 4096 (qkv, o, gate_up), 14336 (down).
+    assert lora_split_k(8, 4096) == 16 and lora_split_k(8, 14336) == 32
+    assert lora_split_k(256, 14336) == 32 and lora_split_k(1024, 14336) == 8
+    assert lora_split_k(2048, 14336) == 1 and lora_split_k(8, 200) == 1
+    for max_tokens in (1, 100, 256, 1000, 8448):
+        worst = max(lora_split_k(t, 14336) * t for t in range(1, max_tokens + 1))
+        assert worst <= max_split_scratch(max_tokens)
 
 
 def test_launchers_check_shapes_and_dtypes() -> None:
     x, a, b, slots, scales = _batch(4, 8, 32, 16, seed=0)
-    h = torch.zeros(4, 8, device=DEVICE)
+    h = torch.zeros(1, 4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="shapes disagree"):
         lora_shrink_triton(x, a[:, :, :16], slots, h)
     with pytest.raises(ValueError, match="float32 out and int32 slots"):
@@ -100,3 +137,5 @@ def test_launchers_check_shapes_and_dtypes() -> None:
         lora_expand_triton(h, b, slots, scales, torch.zeros(16, 4, device=DEVICE).T)
     with pytest.raises(ValueError, match="shapes disagree"):
         lora_expand_triton(h, b, slots, scales[:2], torch.zeros(4, 16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out \[SPLIT_K, T, R\]"):
+        lora_shrink_triton(x, a, slots, h[0])

@@ -23,7 +23,7 @@ from bastion.core.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from bastion.ops.lora import lora_expand, lora_shrink
+from bastion.ops.lora import lora_expand, lora_shrink, lora_split_k, max_split_scratch
 
 
 class Slice(NamedTuple):
@@ -34,13 +34,28 @@ class Slice(NamedTuple):
 
 class LoRAState:
     """What every LoRA layer of one model shares: the per-token slot index of the current step
-    (a fixed device buffer, so captured graphs read it in place), the slots' scales, and
-    whether this step has any adapter row at all (eager steps without one skip LoRA)."""
+    (a fixed device buffer, so captured graphs read it in place), the slots' scales, whether
+    this step has any adapter row at all (eager steps without one skip LoRA), and the scratch
+    the shrink's partials pass through to the expand (``max_width``: the widest layer's
+    stacked rank)."""
 
-    def __init__(self, max_loras: int, max_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self, max_loras: int, max_tokens: int, max_width: int, device: torch.device
+    ) -> None:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.is_active = False
+        # NOTE: one buffer for every layer: a layer's expand reads it before the next layer's
+        # shrink writes it (one stream). Persistent, so captured graphs use it in place, and
+        # never zeroed: the shrink writes every partial the expand reads.
+        self.scratch = torch.zeros(
+            max_split_scratch(max_tokens) * max_width, dtype=torch.float32, device=device
+        )
+
+    def partials(self, num_tokens: int, hidden: int, width: int) -> torch.Tensor:
+        """The ``[SPLIT_K, T, width]`` view of the scratch for one layer's shrink."""
+        split_k = lora_split_k(num_tokens, hidden)
+        return self.scratch[: split_k * num_tokens * width].view(split_k, num_tokens, width)
 
 
 class LoRASlots:
@@ -95,7 +110,7 @@ class LoRASlots:
             return
         num_tokens = x.shape[0]
         slots = self.state.token_slots[:num_tokens]
-        h = torch.zeros(num_tokens, self.lora_a.shape[1], dtype=torch.float32, device=x.device)
+        h = self.state.partials(num_tokens, x.shape[1], self.lora_a.shape[1])
         lora_shrink(x, self.lora_a, slots, h)
         lora_expand(h, self.lora_b, slots, self.state.scales, y)
 

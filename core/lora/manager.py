@@ -55,7 +55,8 @@ class LoRAManager:
         self.hf_config = hf_config
         self.config = config
         self.dtype = dtype
-        self.state = LoRAState(config.max_loras, max_tokens, device)
+        max_width = max(len(modules) for _, modules in _TARGETS) * config.max_lora_rank
+        self.state = LoRAState(config.max_loras, max_tokens, max_width, device)
         self.layers: dict[tuple[int, str], LoRASlots] = {}
         self.mlp_layers: set[int] = set()
         for index, decoder_layer in enumerate(model.model.layers):

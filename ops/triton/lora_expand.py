@@ -1,5 +1,5 @@
 """LoRA expand: ``y[t] += scale[slot(t)] * h[t] @ B[slot(t)]^T`` in place, for a batch mixing
-adapters (torch reference: ``ops.lora.lora_expand_ref``)."""
+adapters, ``h`` summed from the shrink's K-split partials as it is loaded (torch reference: ``ops.lora.lora_expand_ref``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def _lora_expand_kernel(
     num_tokens,
     out_features,
     rank,
+    stride_hs,
     stride_ht,
     stride_bs,
     stride_bn,
@@ -25,9 +26,11 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # Programs as in the shrink: (slot, tile of rows, tile of output columns), rows of other
-    # slots untouched, so every row of y is written by at most one program.
+    # slots untouched, so every row of y is written by at most one program. Each sums the
+    # partials of its rows' h in split order (a few KB, from L2), so results are deterministic.
     slot = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,11 +44,11 @@ def _lora_expand_kernel(
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
     for k0 in range(0, rank, BLOCK_K):
         k = k0 + ks
-        h = tl.load(
-            h_ptr + rows64[:, None] * stride_ht + k[None, :],
-            mask=is_mine[:, None] & (k[None, :] < rank),
-            other=0.0,
-        )
+        h_ptrs = h_ptr + rows64[:, None] * stride_ht + k[None, :]
+        h_mask = is_mine[:, None] & (k[None, :] < rank)
+        h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+        for split in tl.static_range(1, SPLIT_K):
+            h += tl.load(h_ptrs + split * stride_hs, mask=h_mask, other=0.0)
         b = tl.load(
             b_base + cols[None, :].to(tl.int64) * stride_bn + k[:, None],
             mask=(cols[None, :] < out_features) & (k[:, None] < rank),
@@ -66,15 +69,16 @@ def lora_expand_triton(
     scales: torch.Tensor,
     y: torch.Tensor,
 ) -> None:
-    """``h`` float32 [T, R], ``lora_b`` [S, N, R], ``token_slots`` int32 [T], ``scales``
-    float32 [S], ``y`` [T, N] (a column slice of the layer's output is fine), added into."""
-    if h.dim() != 2 or lora_b.dim() != 3 or y.dim() != 2 or token_slots.dim() != 1:
+    """``h`` float32 [SPLIT_K, T, R] (the shrink's partials), ``lora_b`` [S, N, R],
+    ``token_slots`` int32 [T], ``scales`` float32 [S], ``y`` [T, N] (a column slice of the
+    layer's output is fine), added into."""
+    if h.dim() != 3 or lora_b.dim() != 3 or y.dim() != 2 or token_slots.dim() != 1:
         raise ValueError(
-            f"lora_expand expects h [T, R], lora_b [S, N, R], y [T, N], slots [T]; "
+            f"lora_expand expects h [SPLIT_K, T, R], lora_b [S, N, R], y [T, N], slots [T]; "
             f"got {tuple(h.shape)}, {tuple(lora_b.shape)}, {tuple(y.shape)}, "
             f"{tuple(token_slots.shape)}"
         )
-    num_tokens, rank = h.shape
+    split_k, num_tokens, rank = h.shape
     num_slots, out_features, _ = lora_b.shape
     if (
         lora_b.shape[2] != rank
@@ -87,7 +91,7 @@ def lora_expand_triton(
             f"{tuple(lora_b.shape)}, y {tuple(y.shape)}, slots "
             f"{tuple(token_slots.shape)}, scales {tuple(scales.shape)}"
         )
-    if h.stride(1) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1:
+    if h.stride(2) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1:
         raise ValueError("lora_expand needs the last dim of h, lora_b and y contiguous")
     if (
         h.dtype != torch.float32
@@ -101,7 +105,9 @@ def lora_expand_triton(
     if num_tokens == 0:
         return
     block_m = 16 if num_tokens <= 16 else 64
-    block_n = 64
+    # Decode: wider column tiles halve the programs (gate_up has 28672 columns), each summing
+    # the partials of h once for more of the output.
+    block_n = 128 if num_tokens <= 16 else 64
     grid = (num_slots, triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, block_n))
     _lora_expand_kernel[grid](
         h,
@@ -113,11 +119,13 @@ def lora_expand_triton(
         out_features,
         rank,
         h.stride(0),
+        h.stride(1),
         lora_b.stride(0),
         lora_b.stride(1),
         y.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=16,
+        SPLIT_K=split_k,
         num_warps=4,
     )
