@@ -54,6 +54,12 @@ class ModelConfig:
     the template itself (vLLM's rule: text with ``{``, ``}`` or a newline is a template).
     ``generation_config`` (vLLM's semantics): ``auto`` takes default sampling parameters from
     the model's generation_config.json, ``vllm`` ignores it, a folder names where to read it.
+
+    ``quantization`` (a GGUF file on the CPU): ``gguf`` keeps its quantized weights quantized
+    (int4/int8 weight-only matmuls, layers/quantization.py), ``none`` dequantizes them into
+    ``dtype`` at load, ``auto`` is ``gguf`` unless ``dtype`` names float32 or float16 (float32 is
+    the exact path the parity tests take) or the CPU lacks native bfloat16. ``dtype`` remains the
+    activations' dtype: ``auto`` on the CPU is float32.
     """
 
     model: str | None = None
@@ -61,6 +67,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto | gguf | hf | dummy
     dtype: str = "auto"
     device: str = field(default_factory=default_device)
+    quantization: str = "auto"  # auto | gguf | none
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
     served_model_name: tuple[str, ...] = ()
@@ -76,6 +83,11 @@ class ModelConfig:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda; got {self.device!r}")
         parse_dtype(self.dtype, self.device)
+        if self.quantization not in ("auto", "gguf", "none"):
+            raise ConfigError(f"quantization must be auto, gguf or none; got {self.quantization!r}")
+        if self.quantization == "gguf" and self.device != "cpu":
+            raise ConfigError("quantization=gguf runs on the CPU only (on a GPU GGUF weights are "
+                              "dequantized into dtype); use auto or none")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive; got {self.max_model_len}")
         if self.model is not None and not os.path.exists(self.model):
