@@ -169,6 +169,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """``cpu_threads``: torch threads per worker on the CPU; None: ``cpu_threads_per_worker``'s
+    share of the cores this process may use."""
+
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None  # set: external load-balancer mode, one rank per server
@@ -176,10 +179,13 @@ class ParallelConfig:
     data_parallel_rpc_port: int = 29550
     enable_expert_parallel: bool = False
     distributed_timeout_s: float = 30.0
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and data_parallel_size must be positive")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be positive; got {self.cpu_threads}")
         if self.data_parallel_rank is not None and not (
                 0 <= self.data_parallel_rank < self.data_parallel_size):
             raise ConfigError(f"data_parallel_rank must be in [0, {self.data_parallel_size}); "
@@ -188,6 +194,21 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+
+def cpu_threads_per_worker(parallel: ParallelConfig, shares_host_with_api: bool) -> int:
+    """``parallel.cpu_threads``, else the cores this process may use (its affinity, not the
+    host's count: a container or ``taskset`` gives fewer) split over the workers, less one core
+    for the API, engine and sentinel processes when they run beside the workers.
+
+    # NOTE: on a 2-core host two OpenMP threads per worker made a served step ~20x slower once
+    the API got busy; the offline ``LLM`` has no API process and takes every core.
+    """
+    if parallel.cpu_threads is not None:
+        return parallel.cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    spare = 1 if shares_host_with_api and cores > 1 else 0
+    return max(1, (cores - spare) // parallel.world_size)
 
 
 @dataclass(frozen=True)

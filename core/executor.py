@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from bastion.core.config import EngineConfig
+import torch
+
+from bastion.core.config import EngineConfig, cpu_threads_per_worker
 from bastion.core.model_runner import ModelRunner
 from bastion.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -35,6 +37,9 @@ class Executor(Protocol):
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
+        if config.model.device == "cpu":
+            torch.set_num_threads(cpu_threads_per_worker(config.parallel,
+                                                         shares_host_with_api=False))
         self.runner = ModelRunner(config)
         self.runner.load_model()
 

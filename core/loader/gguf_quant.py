@@ -95,10 +95,12 @@ def decode_int4(raw: RawTensor) -> Int4Codes:
     s = b[..., 4:16].astype(np.uint8)
     # 6-bit scales and mins of the 8 sub-blocks: the first four in the low 6 bits of bytes
     # 0-3 / 4-7, the last four split over the nibbles of bytes 8-11 and the top bits of 0-7.
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)],
-                        axis=-1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)],
-                        axis=-1)
+    sc = np.concatenate(
+        [s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1
+    )
+    mn = np.concatenate(
+        [s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1
+    )
     qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 weights
     codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [n, S, 4, 2, 32]: sub-blocks 2c, 2c+1
     scale = (d * sc.astype(np.float32)).reshape(n, k // 32)
@@ -121,8 +123,9 @@ def _dequantize(raw: RawTensor) -> np.ndarray:
     return np.asarray(flat, dtype=np.float32).reshape(raw.shape)
 
 
-def iter_raw_linear_weights(path: str, model_type: str, num_heads: int, num_kv_heads: int
-                            ) -> dict[str, RawTensor]:
+def iter_raw_linear_weights(
+    path: str, model_type: str, num_heads: int, num_kv_heads: int
+) -> dict[str, RawTensor]:
     """The quantized 2-D weights of a GGUF file, by Hugging Face name, still as GGUF blocks
     (q/k rows un-permuted like the float32 conversion does: a row's blocks move as a whole)."""
     from gguf import GGUFReader
@@ -168,7 +171,8 @@ def _build_method(raws: list[RawTensor]) -> LinearMethod:
         return Int4WeightOnlyMethod.from_codes(
             torch.from_numpy(np.concatenate([c.codes for c in codes])),
             torch.from_numpy(np.concatenate([c.scale for c in codes])),
-            torch.from_numpy(np.concatenate([c.offset + 8 * c.scale for c in codes])))
+            torch.from_numpy(np.concatenate([c.offset + 8 * c.scale for c in codes])),
+        )
     q, scale = requantize_int8(np.concatenate([_dequantize(r) for r in raws]))
     return Int8WeightOnlyMethod(torch.from_numpy(q), torch.from_numpy(scale))
 
@@ -179,8 +183,9 @@ class QuantizedLayers(NamedTuple):
     weight_bytes: int  # bytes the quantized layers read per forward pass
 
 
-def quantize_linear_layers(model: nn.Module, gguf_path: str, model_type: str, num_heads: int,
-                           num_kv_heads: int, tied: bool) -> QuantizedLayers:
+def quantize_linear_layers(
+    model: nn.Module, gguf_path: str, model_type: str, num_heads: int, num_kv_heads: int, tied: bool
+) -> QuantizedLayers:
     """Give every linear layer with quantized GGUF weights its weight-only method (its dense
     ``weight`` becomes None), from the cache when this file and torch version were packed
     before."""
@@ -209,25 +214,37 @@ def quantize_linear_layers(model: nn.Module, gguf_path: str, model_type: str, nu
             counts[f"{raws[name].type_name} -> {kind}"] += 1
     if fresh:
         _write_cache(cache, {**packed, **fresh})
-    consumed = {name for pieces in parts.values() for _, name in pieces
-                if name != "model.embed_tokens.weight"}
+    consumed = {
+        name
+        for pieces in parts.values()
+        for _, name in pieces
+        if name != "model.embed_tokens.weight"
+    }
     summary = ", ".join(f"{k} ({v})" for k, v in sorted(counts.items()))
-    logger.info("GGUF weights kept quantized: %s, %.1f MB, %s in %.1f s", summary, total / 1e6,
-                "repacked and cached" if fresh else "from the cache", time.perf_counter() - start)
+    logger.info(
+        "GGUF weights kept quantized: %s, %.1f MB, %s in %.1f s",
+        summary,
+        total / 1e6,
+        "repacked and cached" if fresh else "from the cache",
+        time.perf_counter() - start,
+    )
     return QuantizedLayers(consumed, summary, total)
 
 
 def _to_cache(method: LinearMethod, name: str) -> dict[str, torch.Tensor]:
     if isinstance(method, Int4WeightOnlyMethod):
-        return {f"{name}.int4_packed": method.packed, f"{name}.int4_scales_zeros":
-                method.scales_zeros}
+        return {
+            f"{name}.int4_packed": method.packed,
+            f"{name}.int4_scales_zeros": method.scales_zeros,
+        }
     return {f"{name}.int8_weight": method.weight, f"{name}.int8_scales": method.scales}
 
 
 def _from_cache(packed: dict[str, torch.Tensor], name: str) -> LinearMethod | None:
     if f"{name}.int4_packed" in packed:
-        return Int4WeightOnlyMethod(packed[f"{name}.int4_packed"],
-                                    packed[f"{name}.int4_scales_zeros"])
+        return Int4WeightOnlyMethod(
+            packed[f"{name}.int4_packed"], packed[f"{name}.int4_scales_zeros"]
+        )
     if f"{name}.int8_weight" in packed:
         return Int8WeightOnlyMethod(packed[f"{name}.int8_weight"], packed[f"{name}.int8_scales"])
     return None
@@ -254,4 +271,3 @@ def _write_cache(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-

@@ -30,8 +30,9 @@ _INNER_K_TILES = 2  # the packing's K tiling (K must be a multiple of 16 * this)
 class LinearMethod(Protocol):
     """The base matmul of a linear layer: ``x [..., K] -> [..., N]`` (plus ``bias``)."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor: ...
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     @property
     def weight_bytes(self) -> int:
@@ -42,8 +43,9 @@ class LinearMethod(Protocol):
 class UnquantizedLinearMethod:
     """``F.linear`` over the layer's dense ``weight``."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
     @property
@@ -76,24 +78,34 @@ class Int4WeightOnlyMethod:
         self.out_features = scales_zeros.shape[1]
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor,
-                   zero: torch.Tensor) -> Int4WeightOnlyMethod:
+    def from_codes(
+        cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> Int4WeightOnlyMethod:
         """``codes`` [N, K] in 0..15, ``scale`` and ``zero`` [N, K / 32] (any float dtype):
         ``w[n, k] = (codes[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]``."""
         n, k = codes.shape
         if k % (16 * _INNER_K_TILES) or scale.shape != (n, k // INT4_GROUP_SIZE):
-            raise ValueError(f"int4 weights need K a multiple of {16 * _INNER_K_TILES} and one "
-                             f"scale per {INT4_GROUP_SIZE} columns; got codes {tuple(codes.shape)}"
-                             f", scales {tuple(scale.shape)}")
+            raise ValueError(
+                f"int4 weights need K a multiple of {16 * _INNER_K_TILES} and one "
+                f"scale per {INT4_GROUP_SIZE} columns; got codes {tuple(codes.shape)}"
+                f", scales {tuple(scale.shape)}"
+            )
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.to(torch.int32).contiguous(), _INNER_K_TILES)
+            codes.to(torch.int32).contiguous(), _INNER_K_TILES
+        )
         scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
         return cls(packed, scales_zeros.contiguous())
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = _matmul_2d(x, self.out_features, lambda rows: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows, self.packed, INT4_GROUP_SIZE, self.scales_zeros))
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = _matmul_2d(
+            x,
+            self.out_features,
+            lambda rows: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.packed, INT4_GROUP_SIZE, self.scales_zeros
+            ),
+        )
         return y if bias is None else y + bias
 
     @property
@@ -109,10 +121,14 @@ class Int8WeightOnlyMethod:
         self.scales = scales.to(torch.bfloat16).contiguous()  # [N]
         self.out_features = weight.shape[0]
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = _matmul_2d(x, self.out_features, lambda rows: torch.ops.aten._weight_int8pack_mm(
-            rows, self.weight, self.scales))
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = _matmul_2d(
+            x,
+            self.out_features,
+            lambda rows: torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales),
+        )
         return y if bias is None else y + bias
 
     @property
