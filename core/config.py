@@ -196,19 +196,19 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.data_parallel_size
 
 
-def cpu_threads_per_worker(parallel: ParallelConfig, shares_host_with_api: bool) -> int:
-    """``parallel.cpu_threads``, else the cores this process may use (its affinity, not the
-    host's count: a container or ``taskset`` gives fewer) split over the workers, less one core
-    for the API, engine and sentinel processes when they run beside the workers.
+def cpu_threads_per_worker(parallel: ParallelConfig) -> int:
+    """Torch threads of one worker process: ``parallel.cpu_threads``, else the cores this
+    process may use (its affinity, not the host's count: a container or ``taskset`` gives
+    fewer) less one for the API, engine and sentinel processes, split over the workers.
 
     # NOTE: on a 2-core host two OpenMP threads per worker made a served step ~20x slower once
-    the API got busy; the offline ``LLM`` has no API process and takes every core.
+    the API got busy. (The offline ``LLM`` runs its model in the caller's process and leaves
+    its thread pool alone unless ``cpu_threads`` is given.)
     """
     if parallel.cpu_threads is not None:
         return parallel.cpu_threads
     cores = len(os.sched_getaffinity(0))
-    spare = 1 if shares_host_with_api and cores > 1 else 0
-    return max(1, (cores - spare) // parallel.world_size)
+    return max(1, (cores - 1) // parallel.world_size)
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,7 @@ class Worker:
     def _select_device(self) -> torch.device:
         if self.config.model.device != "cuda":
             # Workers of one host share its cores; oversubscribed threads slow every rank.
-            torch.set_num_threads(cpu_threads_per_worker(self.config.parallel,
-                                                         shares_host_with_api=True))
+            torch.set_num_threads(cpu_threads_per_worker(self.config.parallel))
             return torch.device("cpu")
         # NOTE: NCCL's own hang monitor polls the group's TCPStore; the sentinel watches hangs
         # here, and the monitor only outlives a store that its owner rank already closed.

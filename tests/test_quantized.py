@@ -7,7 +7,6 @@ greedy agreement and the top token's logprob error on prompts no bound was tuned
 
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from bastion.core.forward_context import build_attention_metadata, set_forward_c
 from bastion.core.loader import keeps_gguf_quantized, load_model, resolve_model
 from bastion.core.loader.gguf_quant import RawTensor, decode_int4, requantize_int8
 from bastion.core.models.layers.quantization import (
+    DENSE_MIN_ROWS,
     Int4WeightOnlyMethod,
     Int8WeightOnlyMethod,
     cpu_has_bf16_kernels,
@@ -64,15 +64,21 @@ def test_int4_decode_is_gguf_dequantize_bit_for_bit(type_name: str) -> None:
 
 
 def _identity_product(method: Int4WeightOnlyMethod | Int8WeightOnlyMethod) -> torch.Tensor:
-    """The kernel's view of the weight: ``eye(K) @ W^T`` reads every weight once, times 1."""
-    return method.apply(nn.Module(), torch.eye(K)).t()
+    """The weight as each path multiplies by it: ``eye(K) @ W^T`` reads every weight once,
+    times 1, through the weight-only kernel (4 rows at a time) and the dense GEMM (all K rows);
+    the two must agree exactly."""
+    eye = torch.eye(K)
+    kernel = torch.cat([method.apply(nn.Module(), eye[i : i + 4]) for i in range(0, K, 4)])
+    assert 4 < DENSE_MIN_ROWS <= K
+    torch.testing.assert_close(method.apply(nn.Module(), eye), kernel, rtol=0, atol=0)
+    return kernel.t()
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
 def test_int4_kernel_multiplies_by_the_gguf_weights(type_name: str) -> None:
     raw = _blocks(type_name)
     codes, scale, offset = (torch.from_numpy(a) for a in decode_int4(raw))
-    method = Int4WeightOnlyMethod.from_codes(codes, scale, offset + 8 * scale)
+    method = Int4WeightOnlyMethod(codes, scale, offset + 8 * scale)
     got = _identity_product(method)
     # Exactly torch's convention with the bfloat16 scale and zero it holds ...
     sz = method.scales_zeros.float().repeat_interleave(32, dim=0)  # [K, N, 2]

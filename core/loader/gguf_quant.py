@@ -21,12 +21,17 @@ Fused layers (QKV, gate/up) concatenate their parts' rows before packing; a fuse
 parts are not all int4-able (Q4_K_M files keep ``attn_v`` in Q6_K) becomes int8 as a whole.
 F32/F16/BF16 tensors, norms and the embedding table stay dense in the model's dtype.
 
-The packed tensors are cached beside the float32 conversion (``cpu-weights/``), keyed by torch's
-version since the int4 layout is torch's own.
+The decoded codes, scales and zeros are cached beside the float32 conversion (``cpu-weights/``);
+torch's packed layout is rebuilt from them at each load (it is torch's own and may change).
+
+Each method also holds a bfloat16 copy of its dequantized weight for the dense GEMM of many-row
+inputs (prefill, batches of 8 or more), where the weight-only kernels are compute-bound and 20x
+slower (layers/quantization.py): 2 bytes a weight of memory, never read by a batch-1 decode.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -165,16 +170,21 @@ def _targets(model: nn.Module, names: list[str], tied: bool) -> dict[str, list[t
     return parts
 
 
-def _build_method(raws: list[RawTensor]) -> LinearMethod:
+def _build_method(raws: list[RawTensor]) -> tuple[LinearMethod, dict[str, torch.Tensor]]:
+    """The fused layer's method and what the cache keeps of it (by suffix): int4 codes two to
+    a byte (even column in the low nibble) with float32 scales and zeros, torch's packed
+    layout being rebuilt at load; int8 weights with their scales."""
     if all(r.type_name in INT4_TYPES for r in raws) and raws[0].shape[1] % 32 == 0:
-        codes = [decode_int4(r) for r in raws]
-        return Int4WeightOnlyMethod.from_codes(
-            torch.from_numpy(np.concatenate([c.codes for c in codes])),
-            torch.from_numpy(np.concatenate([c.scale for c in codes])),
-            torch.from_numpy(np.concatenate([c.offset + 8 * c.scale for c in codes])),
-        )
+        decoded = [decode_int4(r) for r in raws]
+        codes = torch.from_numpy(np.concatenate([c.codes for c in decoded]))
+        scale = torch.from_numpy(np.concatenate([c.scale for c in decoded]))
+        zero = torch.from_numpy(np.concatenate([c.offset + 8 * c.scale for c in decoded]))
+        pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        saved = {"int4_codes": pairs, "int4_scale": scale, "int4_zero": zero}
+        return Int4WeightOnlyMethod(codes, scale, zero), saved
     q, scale = requantize_int8(np.concatenate([_dequantize(r) for r in raws]))
-    return Int8WeightOnlyMethod(torch.from_numpy(q), torch.from_numpy(scale))
+    saved = {"int8_weight": torch.from_numpy(q), "int8_scales": torch.from_numpy(scale)}
+    return Int8WeightOnlyMethod(saved["int8_weight"], saved["int8_scales"]), saved
 
 
 class QuantizedLayers(NamedTuple):
@@ -187,33 +197,51 @@ def quantize_linear_layers(
     model: nn.Module, gguf_path: str, model_type: str, num_heads: int, num_kv_heads: int, tied: bool
 ) -> QuantizedLayers:
     """Give every linear layer with quantized GGUF weights its weight-only method (its dense
-    ``weight`` becomes None), from the cache when this file and torch version were packed
-    before."""
+    ``weight`` becomes None). The first load of a file decodes and caches its codes;
+    later ones read only the cache (parsing the GGUF file's metadata alone takes seconds)."""
     start = time.perf_counter()
-    raws = iter_raw_linear_weights(gguf_path, model_type, num_heads, num_kv_heads)
-    parts = _targets(model, sorted(raws), tied)
-    cache = converted_dir(gguf_path) / "cpu-weights" / f"torch-{torch.__version__}.safetensors"
-    packed = _read_cache(cache)
-    counts: dict[str, int] = defaultdict(int)
-    fresh: dict[str, torch.Tensor] = {}
-    total = 0
+    cache = converted_dir(gguf_path) / "cpu-weights" / "v2.safetensors"
+    cached = _read_cache(cache)
+    if cached is None:
+        raws = iter_raw_linear_weights(gguf_path, model_type, num_heads, num_kv_heads)
+        methods, saved, consumed, summary = _pack_all(model, raws, tied)
+        _write_cache(cache, saved, {"consumed": json.dumps(sorted(consumed)), "summary": summary})
+    else:
+        tensors, meta = cached
+        names = sorted({key.rsplit(".", 1)[0] for key in tensors})
+        methods = {name: _from_cache(tensors, name) for name in names}
+        consumed, summary = set(json.loads(meta["consumed"])), meta["summary"]
     modules = dict(model.named_modules())
+    for name, method in methods.items():
+        modules[name].quant_method = method
+        if name != "lm_head" or not tied:
+            modules[name].weight = None  # the embedding keeps a tied head's dense weight
+    total = sum(m.weight_bytes for m in methods.values())
+    logger.info(
+        "GGUF weights kept quantized: %s, %.1f MB, %s in %.1f s",
+        summary,
+        total / 1e6,
+        "repacked and cached" if cached is None else "from the cache",
+        time.perf_counter() - start,
+    )
+    return QuantizedLayers(consumed, summary, total)
+
+
+def _pack_all(
+    model: nn.Module, raws: dict[str, RawTensor], tied: bool
+) -> tuple[dict[str, LinearMethod], dict[str, torch.Tensor], set[str], str]:
+    """(module name -> method, the cache's tensors, Hugging Face names they replace, summary)."""
+    parts = _targets(model, sorted(raws), tied)
+    counts: dict[str, int] = defaultdict(int)
+    methods: dict[str, LinearMethod] = {}
+    saved: dict[str, torch.Tensor] = {}
     for module_name, pieces in sorted(parts.items()):
         names = [name for _, name in sorted(pieces)]
-        method = _from_cache(packed, module_name)
-        if method is None:
-            method = _build_method([raws[n] for n in names])
-            fresh.update(_to_cache(method, module_name))
-        layer = modules[module_name]
-        layer.quant_method = method
-        if module_name != "lm_head" or not tied:
-            layer.weight = None  # the embedding keeps a tied head's dense weight
-        total += method.weight_bytes
-        kind = "int4" if isinstance(method, Int4WeightOnlyMethod) else "int8"
+        methods[module_name], tensors = _build_method([raws[n] for n in names])
+        saved.update({f"{module_name}.{suffix}": t for suffix, t in tensors.items()})
+        kind = "int4" if isinstance(methods[module_name], Int4WeightOnlyMethod) else "int8"
         for name in names:
             counts[f"{raws[name].type_name} -> {kind}"] += 1
-    if fresh:
-        _write_cache(cache, {**packed, **fresh})
     consumed = {
         name
         for pieces in parts.values()
@@ -221,44 +249,34 @@ def quantize_linear_layers(
         if name != "model.embed_tokens.weight"
     }
     summary = ", ".join(f"{k} ({v})" for k, v in sorted(counts.items()))
-    logger.info(
-        "GGUF weights kept quantized: %s, %.1f MB, %s in %.1f s",
-        summary,
-        total / 1e6,
-        "repacked and cached" if fresh else "from the cache",
-        time.perf_counter() - start,
-    )
-    return QuantizedLayers(consumed, summary, total)
+    return methods, saved, consumed, summary
 
 
-def _to_cache(method: LinearMethod, name: str) -> dict[str, torch.Tensor]:
-    if isinstance(method, Int4WeightOnlyMethod):
-        return {
-            f"{name}.int4_packed": method.packed,
-            f"{name}.int4_scales_zeros": method.scales_zeros,
-        }
-    return {f"{name}.int8_weight": method.weight, f"{name}.int8_scales": method.scales}
-
-
-def _from_cache(packed: dict[str, torch.Tensor], name: str) -> LinearMethod | None:
-    if f"{name}.int4_packed" in packed:
+def _from_cache(packed: dict[str, torch.Tensor], name: str) -> LinearMethod:
+    if f"{name}.int4_codes" in packed:
+        pairs = packed[f"{name}.int4_codes"]
+        codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)
         return Int4WeightOnlyMethod(
-            packed[f"{name}.int4_packed"], packed[f"{name}.int4_scales_zeros"]
+            codes, packed[f"{name}.int4_scale"], packed[f"{name}.int4_zero"]
         )
-    if f"{name}.int8_weight" in packed:
-        return Int8WeightOnlyMethod(packed[f"{name}.int8_weight"], packed[f"{name}.int8_scales"])
-    return None
+    return Int8WeightOnlyMethod(packed[f"{name}.int8_weight"], packed[f"{name}.int8_scales"])
 
 
-def _read_cache(path: Path) -> dict[str, torch.Tensor]:
-    """# NOTE: copied out of the file's buffer: safetensors places tensors at any 8-byte offset,
-    and ``_weight_int8pack_mm`` segfaults on an unaligned weight from 4 rows of input up."""
-    from safetensors.torch import load_file
+def _read_cache(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """# NOTE: tensors are copied out of the file's buffer: safetensors places them at any 8-byte
+    offset, and ``_weight_int8pack_mm`` segfaults on an unaligned weight from 4 input rows up."""
+    from safetensors import safe_open
 
-    return {k: v.clone() for k, v in load_file(str(path)).items()} if path.is_file() else {}
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        meta = f.metadata() or {}
+        if "consumed" not in meta:
+            return None
+        return {k: f.get_tensor(k).clone() for k in f.keys()}, meta  # noqa: SIM118
 
 
-def _write_cache(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _write_cache(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """Written to a temporary file and renamed into place (workers may race)."""
     from safetensors.torch import save_file
 
@@ -266,7 +284,7 @@ def _write_cache(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -25,6 +25,7 @@ from torch import nn
 
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block and Q4_K's sub-block
 _INNER_K_TILES = 2  # the packing's K tiling (K must be a multiple of 16 * this)
+DENSE_MIN_ROWS = 8  # from here up the dense bfloat16 GEMM beats the weight-only kernels
 
 
 class LinearMethod(Protocol):
@@ -63,26 +64,35 @@ def cpu_has_bf16_kernels() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def _matmul_2d(x: torch.Tensor, out_features: int, mm) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    return mm(rows).to(x.dtype).view(*x.shape[:-1], out_features)
+class _WeightOnlyMethod:
+    """Shared by both formats: below ``DENSE_MIN_ROWS`` input rows (decode) the weight-only
+    kernel reads the quantized weight; from there up (prefill, large decode batches) a bfloat16
+    copy of the same dequantized weight goes through the dense bfloat16 GEMM (AMX), since the
+    weight-only kernels are compute-bound there: 3072 x 576 at 256 rows, int4 51 ms, float32
+    28 ms, bfloat16 1.5 ms (docs/BENCHMARKS.md). Both paths multiply by the same bfloat16
+    weights."""
+
+    out_features: int
+    dense: torch.Tensor  # [N, K] bfloat16
+
+    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = F.linear(rows, self.dense) if rows.shape[0] >= DENSE_MIN_ROWS else self._mm(rows)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
 
 
-class Int4WeightOnlyMethod:
-    """4-bit weights, one bfloat16 (scale, zero) per 32 input features of each output row."""
+class Int4WeightOnlyMethod(_WeightOnlyMethod):
+    """4-bit weights, one bfloat16 (scale, zero) per 32 input features of each output row:
+    ``w[n, k] = (codes[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]``."""
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor) -> None:
-        # packed [N, K / 2] uint8 (torch's CPU int4 layout), scales_zeros [K / 32, N, 2] bf16
-        self.packed = packed
-        self.scales_zeros = scales_zeros
-        self.out_features = scales_zeros.shape[1]
-
-    @classmethod
-    def from_codes(
-        cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-    ) -> Int4WeightOnlyMethod:
-        """``codes`` [N, K] in 0..15, ``scale`` and ``zero`` [N, K / 32] (any float dtype):
-        ``w[n, k] = (codes[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]``."""
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """``codes`` [N, K] in 0..15, ``scale`` and ``zero`` [N, K / 32] (any float dtype)."""
         n, k = codes.shape
         if k % (16 * _INNER_K_TILES) or scale.shape != (n, k // INT4_GROUP_SIZE):
             raise ValueError(
@@ -90,46 +100,37 @@ class Int4WeightOnlyMethod:
                 f"scale per {INT4_GROUP_SIZE} columns; got codes {tuple(codes.shape)}"
                 f", scales {tuple(scale.shape)}"
             )
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        self.out_features = n
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             codes.to(torch.int32).contiguous(), _INNER_K_TILES
-        )
-        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
-        return cls(packed, scales_zeros.contiguous())
+        )  # [N, K / 2] uint8 in torch's own CPU layout
+        scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+        # The kernel's own arithmetic: float32 from the bfloat16 scale and zero, rounded once.
+        expand = lambda t: t.float().repeat_interleave(INT4_GROUP_SIZE, dim=1)
+        self.dense = ((codes.float() - 8) * expand(scale) + expand(zero)).to(torch.bfloat16)
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        y = _matmul_2d(
-            x,
-            self.out_features,
-            lambda rows: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, self.packed, INT4_GROUP_SIZE, self.scales_zeros
-            ),
+    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed, INT4_GROUP_SIZE, self.scales_zeros
         )
-        return y if bias is None else y + bias
 
     @property
     def weight_bytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
-class Int8WeightOnlyMethod:
+class Int8WeightOnlyMethod(_WeightOnlyMethod):
     """int8 weights with one bfloat16 scale per output row: ``w[n, k] = q[n, k] * scale[n]``."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.weight = weight.contiguous()  # [N, K] int8
         self.scales = scales.to(torch.bfloat16).contiguous()  # [N]
         self.out_features = weight.shape[0]
+        self.dense = (self.weight.float() * self.scales.float()[:, None]).to(torch.bfloat16)
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        y = _matmul_2d(
-            x,
-            self.out_features,
-            lambda rows: torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales),
-        )
-        return y if bias is None else y + bias
+    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
 
     @property
     def weight_bytes(self) -> int:
