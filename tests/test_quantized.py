@@ -181,6 +181,6 @@ def test_quantized_greedy_agrees_with_float32(embedded_pair) -> None:
         worst = max(worst, float((lp_exact.gather(1, top) - lp_quant.gather(1, top)).abs().max()))
     # Measured (2026-12-01): 3, 24, 24, 24 tokens agree before the first divergence (the
     # first prompt's 4th token is a near tie), and the float32 top token's logprob moves by at
-    # most 0.175 nats over the four teacher-forced sequences.
+    # most 0.182 nats over the four teacher-forced sequences.
     assert worst < 0.25, worst
     assert sum(agree) >= 72, agree

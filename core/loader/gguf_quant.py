@@ -45,17 +45,20 @@ import torch
 from torch import nn
 
 from bastion.core.loader.gguf_loader import _hf_name, converted_dir
+from bastion.core.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bastion.core.models.layers.quantization import (
     Int4WeightOnlyMethod,
     Int8WeightOnlyMethod,
     LinearMethod,
 )
+from bastion.core.models.layers.vocab_parallel_embedding import ParallelLMHead
 from bastion.core.models.weights import map_weight_name
 
 logger = logging.getLogger(__name__)
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
+_QUANTIZABLE = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 _SHARD_ORDER = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
 
 
@@ -165,7 +168,8 @@ def _targets(model: nn.Module, names: list[str], tied: bool) -> dict[str, list[t
             continue
         target, args = map_weight_name(name)
         module = target.removesuffix(".weight")
-        if module in modules and hasattr(modules[module], "quant_method"):
+        # NOTE: not ReplicatedLinear: the MoE router's weight is read directly (router_logits).
+        if isinstance(modules.get(module), _QUANTIZABLE):
             parts[module].append((_SHARD_ORDER[args[0]] if args else 0, name))
     return parts
 
