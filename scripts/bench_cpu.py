@@ -190,18 +190,17 @@ def decode_step_ms(
 
 
 def worker(engine: str, threads: int, batches: list[int], new_tokens: int, repeats: int) -> None:
-    if engine == "bastion":
-        rows = run_bastion("auto", threads, batches, new_tokens, repeats)
-    elif engine == "bastion-f32":
-        rows = run_bastion("float32", threads, batches, new_tokens, repeats)
+    if engine.startswith("bastion"):
+        dtype = "auto" if engine == "bastion" else "float32"
+        # Before the LLM exists: its engine's threads would share the cores with this loop.
+        step_ms = {b: decode_step_ms(dtype, threads, b) for b in batches}
+        rows = run_bastion(dtype, threads, batches, new_tokens, repeats)
+        for row in rows:
+            row["step_ms"] = step_ms[row["batch"]]
     elif engine == "transformers":
         rows = run_transformers(threads, batches, new_tokens, repeats)
     else:
         rows = run_llama_cpp(threads, batches, new_tokens, repeats)
-    if engine.startswith("bastion"):
-        dtype = "auto" if engine == "bastion" else "float32"
-        for row in rows:
-            row["step_ms"] = decode_step_ms(dtype, threads, row["batch"])
     print("RESULT " + json.dumps({"bandwidth_gbs": memory_bandwidth_gbs(threads), "rows": rows}))
 
 
