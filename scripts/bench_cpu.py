@@ -15,10 +15,6 @@ activations) and with ``--dtype float32`` (the dequantized path); transformers `
 float32 (batch 16 with left padding); llama.cpp through ``llama-cpp-python`` when it is
 installed (batch 1 only: its Python API decodes one sequence; a printed note otherwise).
 
-For bastion, each cell also gives in brackets the speed of the model's decode step alone (no
-engine, no prefill, 128 cached tokens), best of 20: what a quiet machine allows, where the median
-also carries other processes' load; the gap between the two is the engine's own cost plus load.
-
 Beside each row: the bytes of weights the engine reads per decode step (``MB/step``), and the
 floor, the batch-1 speed that reading them at the measured memory bandwidth would allow
 (``--threads`` threads copying a 256 MB buffer; KV-cache reads and compute are left out).
@@ -157,46 +153,10 @@ def run_llama_cpp(threads: int, batches: list[int], new_tokens: int, repeats: in
     ]
 
 
-def decode_step_ms(
-    dtype: str, threads: int, batch: int, context: int = 128, steps: int = 20
-) -> float:
-    """One decode step of the model alone (no engine), ``batch`` sequences of ``context``
-    cached tokens, best of ``steps``: the best is what a quiet machine gives, where the
-    medians above also carry other processes' load."""
-    import torch
-
-    from bastion.core.config import ModelConfig
-    from bastion.core.forward_context import build_attention_metadata, set_forward_context
-    from bastion.core.loader import load_model, resolve_model
-
-    torch.set_num_threads(threads)
-    config = ModelConfig(model=None, device="cpu", dtype=dtype)
-    model = load_model(config, resolve_model(config))
-    block, per_seq = 16, -(-(context + 1) // 16)
-    for attn in model.attention_layers():
-        shape = (batch * per_seq, block, attn.num_kv_heads, attn.head_dim)
-        attn.k_cache = torch.randn(shape, dtype=config.torch_dtype)
-        attn.v_cache = torch.randn(shape, dtype=config.torch_dtype)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    meta = build_attention_metadata([1] * batch, [context + 1] * batch, tables, block)
-    ids, pos = torch.randint(1000, 40000, (batch,)), torch.full((batch,), context)
-    best = float("inf")
-    with torch.no_grad(), set_forward_context(meta):
-        for _ in range(steps + 2):
-            start = time.perf_counter()
-            model.compute_logits(model(ids, pos)).argmax(dim=-1)
-            best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 def worker(engine: str, threads: int, batches: list[int], new_tokens: int, repeats: int) -> None:
     if engine.startswith("bastion"):
         dtype = "auto" if engine == "bastion" else "float32"
-        # Before the LLM exists: its engine's threads would share the cores with this loop.
-        step_ms = {b: decode_step_ms(dtype, threads, b) for b in batches}
         rows = run_bastion(dtype, threads, batches, new_tokens, repeats)
-        for row in rows:
-            row["step_ms"] = step_ms[row["batch"]]
     elif engine == "transformers":
         rows = run_transformers(threads, batches, new_tokens, repeats)
     else:
@@ -268,11 +228,7 @@ def main() -> None:
             result = json.loads(line.removeprefix("RESULT "))
             rows = result["rows"]
             nbytes = rows[0]["bytes_per_step"]
-            cells = [
-                (f"{r['tok_s']:.1f}" if r["tok_s"] is not None else "n/a")
-                + (f" ({r['batch'] * 1e3 / r['step_ms']:.0f})" if "step_ms" in r else "")
-                for r in rows
-            ]
+            cells = [f"{r['tok_s']:.1f}" if r["tok_s"] is not None else "n/a" for r in rows]
             floor = result["bandwidth_gbs"] * 1e9 / nbytes
             print(
                 f"| {engine} | {threads} | "
