@@ -7,10 +7,12 @@ greedy agreement and the top token's logprob error on prompts no bound was tuned
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, dequantize, quantize
+from torch import nn
+
 from bastion.core.config import ConfigError, ModelConfig
 from bastion.core.forward_context import build_attention_metadata, set_forward_context
 from bastion.core.loader import keeps_gguf_quantized, load_model, resolve_model
@@ -21,9 +23,6 @@ from bastion.core.models.layers.quantization import (
     Int8WeightOnlyMethod,
     cpu_has_bf16_kernels,
 )
-from gguf import GGMLQuantizationType, dequantize, quantize
-from torch import nn
-
 from tests.test_model_parity import PagedDriver
 
 N, K = 16, 512
