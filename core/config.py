@@ -54,6 +54,12 @@ class ModelConfig:
     the template itself (vLLM's rule: text with ``{``, ``}`` or a newline is a template).
     ``generation_config`` (vLLM's semantics): ``auto`` takes default sampling parameters from
     the model's generation_config.json, ``vllm`` ignores it, a folder names where to read it.
+
+    ``quantization`` (a GGUF file on the CPU): ``gguf`` keeps its quantized weights quantized
+    (int4/int8 weight-only matmuls, layers/quantization.py), ``none`` dequantizes them into
+    ``dtype`` at load, ``auto`` is ``gguf`` unless ``dtype`` names float32 or float16 (float32 is
+    the exact path the parity tests take) or the CPU lacks native bfloat16. ``dtype`` remains the
+    activations' dtype: ``auto`` on the CPU is float32.
     """
 
     model: str | None = None
@@ -61,6 +67,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto | gguf | hf | dummy
     dtype: str = "auto"
     device: str = field(default_factory=default_device)
+    quantization: str = "auto"  # auto | gguf | none
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
     served_model_name: tuple[str, ...] = ()
@@ -76,6 +83,11 @@ class ModelConfig:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda; got {self.device!r}")
         parse_dtype(self.dtype, self.device)
+        if self.quantization not in ("auto", "gguf", "none"):
+            raise ConfigError(f"quantization must be auto, gguf or none; got {self.quantization!r}")
+        if self.quantization == "gguf" and self.device != "cpu":
+            raise ConfigError("quantization=gguf runs on the CPU only (on a GPU GGUF weights are "
+                              "dequantized into dtype); use auto or none")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive; got {self.max_model_len}")
         if self.model is not None and not os.path.exists(self.model):
@@ -157,6 +169,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """``cpu_threads``: torch threads per worker on the CPU; None: ``cpu_threads_per_worker``'s
+    share of the cores this process may use."""
+
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None  # set: external load-balancer mode, one rank per server
@@ -164,10 +179,13 @@ class ParallelConfig:
     data_parallel_rpc_port: int = 29550
     enable_expert_parallel: bool = False
     distributed_timeout_s: float = 30.0
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and data_parallel_size must be positive")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be positive; got {self.cpu_threads}")
         if self.data_parallel_rank is not None and not (
                 0 <= self.data_parallel_rank < self.data_parallel_size):
             raise ConfigError(f"data_parallel_rank must be in [0, {self.data_parallel_size}); "
@@ -176,6 +194,21 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+
+def cpu_threads_per_worker(parallel: ParallelConfig) -> int:
+    """Torch threads of one worker process: ``parallel.cpu_threads``, else the cores this
+    process may use (its affinity, not the host's count: a container or ``taskset`` gives
+    fewer) less one for the API, engine and sentinel processes, split over the workers.
+
+    # NOTE: on a 2-core host two OpenMP threads per worker made a served step ~20x slower once
+    the API got busy. (The offline ``LLM`` runs its model in the caller's process and leaves
+    its thread pool alone unless ``cpu_threads`` is given.)
+    """
+    if parallel.cpu_threads is not None:
+        return parallel.cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    return max(1, (cores - 1) // parallel.world_size)
 
 
 @dataclass(frozen=True)
@@ -319,6 +352,14 @@ class EngineConfig:
         if self.lora.enable_lora and self.speculative is not None:
             raise ConfigError("LoRA adapters and speculative decoding cannot be combined yet; "
                               "drop --enable-lora or --speculative-config")
+        if self.lora.enable_lora and self.model.quantization != "none":
+            # NOTE: the adapters add to dense base layers; GGUF weights kept quantized on the
+            # CPU (issue #26) have no dense weight for them yet.
+            if self.model.quantization == "gguf":
+                raise ConfigError("LoRA adapters need dense base weights; drop --enable-lora "
+                                  "or run with --quantization none")
+            object.__setattr__(self, "model",
+                               dataclasses.replace(self.model, quantization="none"))
         if self.speculative is None:
             return
         par = self.parallel

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from bastion.core.config import EngineConfig
 from bastion.core.model_runner import ModelRunner
 from bastion.ipc.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -39,6 +41,10 @@ class Executor(Protocol):
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
+        # Offline, the caller's process owns its thread pool (torch's default follows
+        # OMP_NUM_THREADS and the affinity); only an explicit cpu_threads changes it.
+        if config.model.device == "cpu" and config.parallel.cpu_threads is not None:
+            torch.set_num_threads(config.parallel.cpu_threads)
         self.runner = ModelRunner(config)
         self.runner.load_model()
 

@@ -238,7 +238,8 @@ class ModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.resolved = resolve_model(self.config.model)
-        self.model = load_model(self.config.model, self.resolved)
+        self.model = load_model(self.config.model, self.resolved,
+                                self.config.parallel.tensor_parallel_size)
         self.vocab_size = self.resolved.hf_config.vocab_size
         self.max_model_len = get_max_model_len(self.resolved.hf_config,
                                                self.config.model.max_model_len)

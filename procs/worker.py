@@ -20,7 +20,7 @@ import traceback
 
 import torch
 import zmq
-from bastion.core.config import EngineConfig
+from bastion.core.config import EngineConfig, cpu_threads_per_worker
 from bastion.core.model_runner import ModelRunner, StepHandle
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.messages import Failure, HandshakeInfo, Ready, WorkerCall, WorkerReply
@@ -64,10 +64,7 @@ class Worker:
     def _select_device(self) -> torch.device:
         if self.config.model.device != "cuda":
             # Workers of one host share its cores; oversubscribed threads slow every rank.
-            # NOTE: leave a core to the API, engine and sentinel processes: on a 2-core host two
-            # OpenMP threads per worker made a step ~20x slower once the API got busy.
-            num_workers = self.config.parallel.world_size
-            torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // num_workers))
+            torch.set_num_threads(cpu_threads_per_worker(self.config.parallel))
             return torch.device("cpu")
         # NOTE: NCCL's own hang monitor polls the group's TCPStore; the sentinel watches hangs
         # here, and the monitor only outlives a store that its owner rank already closed.

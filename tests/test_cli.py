@@ -63,9 +63,9 @@ def test_underscore_spellings_positional_model_and_vllm_names(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["serve", "--max-model-len", "8", "--quantization", "awq"],
-     ("bastion serve: error: unknown flag --quantization (`bastion serve --help` lists the "
-      "flags)")),
+    (["serve", "--max-model-len", "8", "--kv-transfer-config", "{}"],
+     ("bastion serve: error: unknown flag --kv-transfer-config (`bastion serve --help` lists "
+      "the flags)")),
     (["serve", "--max-model"], "bastion serve: error: unknown flag --max-model "),
     (["serve", "--distributed-executor-backend", "ray"],
      ("bastion serve: error: argument --distributed-executor-backend: invalid choice: "

@@ -23,6 +23,7 @@ from bastion.core.loader.embedded import embedded_gguf_path
 from bastion.core.loader.gguf_loader import ensure_converted, is_gguf_file
 from bastion.core.loader.hf_loader import count_safetensors, iter_safetensors, load_hf_config
 from bastion.core.loader.tokenizer import load_tokenizer_from
+from bastion.core.models.layers.quantization import cpu_has_bf16_kernels
 from bastion.core.models.registry import get_model_class
 from bastion.procs.logs import progress
 
@@ -62,25 +63,81 @@ def weights_folder(resolved: ResolvedModel) -> Path:
     return ensure_converted(resolved.path) if resolved.format == "gguf" else Path(resolved.path)
 
 
-def load_model(model_config: ModelConfig, resolved: ResolvedModel) -> nn.Module:
+def keeps_gguf_quantized(model_config: ModelConfig, resolved: ResolvedModel,
+                         tp_size: int = 1) -> bool:
+    """Whether the GGUF weights stay quantized (``ModelConfig.quantization``)."""
+    if model_config.quantization == "none" or resolved.format != "gguf":
+        if model_config.quantization == "gguf":
+            raise ConfigError(f"quantization=gguf needs a GGUF file; {resolved.path} is "
+                              f"{resolved.format}")
+        return False
+    if model_config.quantization == "gguf":
+        if tp_size > 1:
+            raise ConfigError("quantization=gguf runs with tensor_parallel_size=1 only; use "
+                              "quantization=none with tensor parallelism")
+        return True
+    return (model_config.device == "cpu" and tp_size == 1 and cpu_has_bf16_kernels()
+            and model_config.dtype not in _EXACT_DTYPES)
+
+
+# dtype names that ask for dense weights: float32 is the exact (parity) path; float16 has no
+# fast weight-only CPU kernel.
+_EXACT_DTYPES = ("float32", "fp32", "float", "float16", "fp16", "half")
+
+
+def load_model(model_config: ModelConfig, resolved: ResolvedModel,
+               tp_size: int = 1) -> nn.Module:
     """Build the model on ``model_config.device`` in ``model_config.torch_dtype`` and fill it
     (this TP rank's shards); returned in eval mode."""
     start = time.perf_counter()
-    model_cls = get_model_class(resolved.hf_config.architectures[0])
+    hf_config = resolved.hf_config
+    model_cls = get_model_class(hf_config.architectures[0])
     device = torch.device(model_config.device)
     with torch.device(device):
-        model = model_cls(resolved.hf_config, model_config.torch_dtype)
+        model = model_cls(hf_config, model_config.torch_dtype)
+    weights_format = f"dense {str(model_config.torch_dtype).removeprefix('torch.')}"
     if resolved.format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
+        skip: set[str] = set()
+        if keeps_gguf_quantized(model_config, resolved, tp_size):
+            from bastion.core.loader.gguf_quant import quantize_linear_layers
+
+            quantized = quantize_linear_layers(
+                model, resolved.path, hf_config.model_type, hf_config.num_attention_heads,
+                getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+                bool(getattr(hf_config, "tie_word_embeddings", False)))
+            skip = quantized.consumed
+            weights_format = f"GGUF kept quantized: {quantized.summary}"
         folder = weights_folder(resolved)
         # A bar on a terminal, three plain log lines under journald.
-        model.load_weights(progress(iter_safetensors(folder), count_safetensors(folder),
+        model.load_weights(progress(iter_safetensors(folder, skip),
+                                    count_safetensors(folder) - len(skip),
                                     "loading weights"))
     model.eval().requires_grad_(False)
-    logger.info("loaded %s (%s, %s) on %s in %.1f s", os.path.basename(resolved.path),
-                resolved.format, model_config.torch_dtype, device, time.perf_counter() - start)
+    logger.info("loaded %s (%s, activations %s) on %s in %.1f s; weights: %s, %.1f MB read per "
+                "decode step", os.path.basename(resolved.path), resolved.format,
+                str(model_config.torch_dtype).removeprefix("torch."), device,
+                time.perf_counter() - start, weights_format, weight_bytes_per_step(model) / 1e6)
     return model
+
+
+def weight_bytes_per_step(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear layer's weight (quantized or dense)
+    and the norms; the embedding table counts only for a tied LM head that reads it densely."""
+    total = 0
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and method.weight_bytes:
+            total += method.weight_bytes
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen or (param_name == "weight" and name.endswith("embed_tokens")):
+                continue
+            seen.add(id(param))
+            total += param.nbytes
+    return total
 
 
 def load_tokenizer(model_config: ModelConfig, resolved: ResolvedModel) -> PreTrainedTokenizerBase:
@@ -148,6 +205,7 @@ __all__ = [
     "ResolvedModel",
     "embedded_gguf_path",
     "get_max_model_len",
+    "keeps_gguf_quantized",
     "load_generation_defaults",
     "load_model",
     "load_tokenizer",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,10 @@ def count_safetensors(folder: str | Path) -> int:
     return total
 
 
-def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every ``*.safetensors`` file in ``folder``, on the CPU."""
+def iter_safetensors(folder: str | Path, skip: Container[str] = ()
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every ``*.safetensors`` file in ``folder`` but those named in ``skip``
+    (never read), on the CPU."""
     from safetensors import safe_open
 
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -43,4 +45,5 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                if name not in skip:
+                    yield name, f.get_tensor(name)

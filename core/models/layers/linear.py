@@ -1,7 +1,9 @@
 """Tensor-parallel linear layers.
 
 Column-parallel layers split output features over TP ranks (no communication in forward);
-row-parallel layers split input features and all-reduce their output.
+row-parallel layers split input features and all-reduce their output. Each layer's base matmul
+is its ``quant_method`` (a dense ``F.linear`` unless the loader kept the weights quantized, see
+layers/quantization.py); whatever wraps a layer adds to that output.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
+from bastion.core.models.layers.quantization import UNQUANTIZED, LinearMethod
 from torch import nn
 
 from bastion.ops.communicator import get_tp_group
@@ -35,6 +37,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 class ReplicatedLinear(nn.Module):
     """The full layer on every rank (e.g. the MoE router)."""
 
+    quant_method: LinearMethod = UNQUANTIZED
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _new_param(output_size, input_size)
@@ -45,11 +49,13 @@ class ReplicatedLinear(nn.Module):
             self.bias.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's rows (output features) split over TP ranks."""
+
+    quant_method: LinearMethod = UNQUANTIZED
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  gather_output: bool = False) -> None:
@@ -70,7 +76,7 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:
             self.lora.apply(x, y)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
@@ -135,6 +141,8 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's columns (input features) split over TP ranks; the partial
     products are summed by an all-reduce, then the bias is added once."""
 
+    quant_method: LinearMethod = UNQUANTIZED
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True) -> None:
         super().__init__()
@@ -154,7 +162,7 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.quant_method.apply(self, x)
         if self.lora is not None:
             self.lora.apply(x, y)
         if self.reduce_results:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from bastion.core.models.layers.quantization import UNQUANTIZED, LinearMethod
 from bastion.ops.communicator import get_tp_group
 from torch import nn
 
@@ -41,7 +42,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary; ``tie_to`` shares the embedding's weight."""
+    """Output projection to the vocabulary; ``tie_to`` shares the embedding's weight (a
+    quantized ``quant_method`` then holds its own copy for the matmul)."""
+
+    quant_method: LinearMethod = UNQUANTIZED
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -50,7 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[N, H] -> [N, vocab] in the model's dtype, gathered over TP ranks, padding columns
         dropped. The sampler computes in float32; a plain argmax reads these directly (the
         float32 copy of a 256 x 152k batch costs a 0.1 ms kernel a step on an H200)."""
-        logits = F.linear(hidden, self.weight)
+        logits = self.quant_method.apply(self, hidden)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings]
 

@@ -1,0 +1,185 @@
+"""GGUF weights kept quantized on the CPU (core/loader/gguf_quant.py, layers/quantization.py).
+
+The block decoders against ``gguf.quants.dequantize`` (bit for bit), torch's int4/int8 kernels
+against the decoded weights, and the embedded SmolLM2's quantized path against its float32 path:
+greedy agreement and the top token's logprob error on prompts no bound was tuned on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize, quantize
+from torch import nn
+
+from bastion.core.config import ConfigError, ModelConfig
+from bastion.core.forward_context import build_attention_metadata, set_forward_context
+from bastion.core.loader import keeps_gguf_quantized, load_model, resolve_model
+from bastion.core.loader.gguf_quant import RawTensor, decode_int4, requantize_int8
+from bastion.core.models.layers.quantization import (
+    DENSE_MIN_ROWS,
+    Int4WeightOnlyMethod,
+    Int8WeightOnlyMethod,
+    cpu_has_bf16_kernels,
+)
+from tests.test_model_parity import PagedDriver
+
+N, K = 16, 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread: on a busy 2-core machine a second OpenMP thread makes every small
+    matmul wait at barriers (docs/BENCHMARKS.md, "Threads on a small CPU")."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _blocks(type_name: str, seed: int = 0) -> RawTensor:
+    rng = np.random.default_rng(seed)
+    if type_name == "Q4_K":
+        # gguf-py cannot quantize K-quants: random super-blocks with finite float16 d and dmin.
+        blocks = rng.integers(0, 256, size=(N, K // 256, 144), dtype=np.uint8)
+        scales = (rng.random((N, K // 256, 2)) * 0.01).astype(np.float16)
+        blocks[..., 0:4] = scales.view(np.uint8).reshape(N, K // 256, 4)
+        return RawTensor(type_name, blocks.reshape(N, -1), (N, K))
+    weight = rng.standard_normal((N, K)).astype(np.float32) * 0.05 + 0.01
+    return RawTensor(type_name, quantize(weight, GGMLQuantizationType[type_name]), (N, K))
+
+
+def _gguf_weight(raw: RawTensor) -> np.ndarray:
+    return dequantize(raw.blocks, GGMLQuantizationType[raw.type_name]).reshape(raw.shape)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_decode_is_gguf_dequantize_bit_for_bit(type_name: str) -> None:
+    codes, scale, offset = decode_int4(_blocks(type_name))
+    assert codes.max() <= 15 and scale.shape == (N, K // 32)
+    mine = np.repeat(scale, 32, axis=1) * codes + np.repeat(offset, 32, axis=1)
+    np.testing.assert_array_equal(mine, _gguf_weight(_blocks(type_name)))
+
+
+def _identity_product(method: Int4WeightOnlyMethod | Int8WeightOnlyMethod) -> torch.Tensor:
+    """The weight as each path multiplies by it: ``eye(K) @ W^T`` reads every weight once,
+    times 1, through the weight-only kernel (4 rows at a time) and the dense GEMM (all K rows);
+    the two must agree exactly."""
+    eye = torch.eye(K)
+    kernel = torch.cat([method.apply(nn.Module(), eye[i : i + 4]) for i in range(0, K, 4)])
+    assert 4 < DENSE_MIN_ROWS <= K
+    torch.testing.assert_close(method.apply(nn.Module(), eye), kernel, rtol=0, atol=0)
+    return kernel.t()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_kernel_multiplies_by_the_gguf_weights(type_name: str) -> None:
+    raw = _blocks(type_name)
+    codes, scale, offset = (torch.from_numpy(a) for a in decode_int4(raw))
+    method = Int4WeightOnlyMethod(codes, scale, offset + 8 * scale)
+    got = _identity_product(method)
+    # Exactly torch's convention with the bfloat16 scale and zero it holds ...
+    sz = method.scales_zeros.float().repeat_interleave(32, dim=0)  # [K, N, 2]
+    expected = (codes.float() - 8) * sz[..., 0].t() + sz[..., 1].t()
+    torch.testing.assert_close(got, expected.to(torch.bfloat16).float(), rtol=0, atol=0)
+    # ... which is GGUF's weight up to bfloat16 rounding of the scales and of the output.
+    gguf = torch.from_numpy(_gguf_weight(raw))
+    group_range = 16 * scale.abs().repeat_interleave(32, dim=1) + offset.abs().repeat_interleave(
+        32, dim=1
+    )
+    assert ((got - gguf).abs() <= group_range * 2**-7).all()
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
+def test_int8_requantization_error_is_half_a_row_step(type_name: str) -> None:
+    weight = _gguf_weight(_blocks(type_name))
+    q, scale = requantize_int8(weight)
+    assert np.abs(weight - q * scale[:, None]).max() <= 0.5 * scale.max() * (1 + 1e-6)
+    method = Int8WeightOnlyMethod(torch.from_numpy(q), torch.from_numpy(scale))
+    got = _identity_product(method)
+    bf16_scale = method.scales.float()[:, None]
+    expected = (torch.from_numpy(q).float() * bf16_scale).to(torch.bfloat16).float()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_quantization_choice_follows_dtype_and_device(embedded_gguf_path: str) -> None:
+    resolved = resolve_model(ModelConfig(model=None, device="cpu", dtype="float32"))
+    for dtype, quantization, expected in [
+        ("float32", "auto", False),  # the exact (parity) path
+        ("auto", "auto", cpu_has_bf16_kernels()),
+        ("bfloat16", "auto", cpu_has_bf16_kernels()),
+        ("auto", "none", False),
+        ("float32", "gguf", True),
+    ]:
+        config = ModelConfig(model=None, device="cpu", dtype=dtype, quantization=quantization)
+        assert keeps_gguf_quantized(config, resolved) is expected, (dtype, quantization)
+    with pytest.raises(ConfigError, match="quantization must be auto, gguf or none"):
+        ModelConfig(model=None, device="cpu", quantization="int4")
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1 only"):
+        keeps_gguf_quantized(ModelConfig(device="cpu", quantization="gguf"), resolved, tp_size=2)
+
+
+# --- the embedded SmolLM2: quantized against float32 -------------------------------------------
+
+# Held out: no bound below was tuned on these prompts' own numbers before they were fixed.
+HELD_OUT = [
+    "The three primary colors are",
+    "import numpy as np\n\ndef mean(xs):\n    ",
+    "Q: What is the boiling point of water in Celsius?\nA:",
+    "My favourite season is autumn because",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def embedded_pair() -> tuple[nn.Module, nn.Module, object]:
+    from bastion.core.loader import load_tokenizer
+
+    exact = ModelConfig(model=None, device="cpu", dtype="float32")
+    quant = ModelConfig(model=None, device="cpu", dtype="float32", quantization="gguf")
+    resolved = resolve_model(exact)
+    return load_model(exact, resolved), load_model(quant, resolved), load_tokenizer(exact, resolved)
+
+
+def _logprobs(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced log-softmax [len(ids), vocab] from one prefill."""
+    driver = PagedDriver(model, num_blocks=64, block_size=16)
+    table = [driver.free_blocks.pop() for _ in range(-(-len(ids) // 16))]
+    meta = build_attention_metadata([len(ids)], [len(ids)], [table], 16)
+    with torch.no_grad(), set_forward_context(meta):
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)))
+        return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+
+
+def test_embedded_model_keeps_its_weights_quantized(embedded_pair) -> None:
+    exact, quant, _ = embedded_pair
+    layer = quant.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.quant_method, Int4WeightOnlyMethod)
+    assert isinstance(layer.mlp.gate_up_proj.quant_method, Int4WeightOnlyMethod)  # still fused
+    assert layer.self_attn.qkv_proj.weight is None
+    assert isinstance(quant.lm_head.quant_method, Int8WeightOnlyMethod)  # tied Q8_0 embedding
+    assert quant.lm_head.quant_method.weight.shape == (49152, 576)
+    assert exact.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+
+
+def test_quantized_greedy_agrees_with_float32(embedded_pair) -> None:
+    exact, quant, tokenizer = embedded_pair
+    prompts = [tokenizer(p).input_ids for p in HELD_OUT]
+    reference = PagedDriver(exact).generate(prompts, NEW_TOKENS, chunk=64, stagger=1)
+    got = PagedDriver(quant).generate(prompts, NEW_TOKENS, chunk=64, stagger=1)
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), NEW_TOKENS)
+        for r, g in zip(reference, got)
+    ]
+    worst = 0.0
+    for prompt, continuation in zip(prompts, reference):
+        ids = prompt + continuation
+        lp_exact, lp_quant = _logprobs(exact, ids), _logprobs(quant, ids)
+        top = lp_exact.argmax(dim=-1, keepdim=True)
+        worst = max(worst, float((lp_exact.gather(1, top) - lp_quant.gather(1, top)).abs().max()))
+    # Measured (2026-12-01): 3, 24, 24, 24 tokens agree before the first divergence (the
+    # first prompt's 4th token is a near tie), and the float32 top token's logprob moves by at
+    # most 0.182 nats over the four teacher-forced sequences.
+    assert worst < 0.25, worst
+    assert sum(agree) >= 72, agree
