@@ -177,6 +177,12 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
 
+    @property
+    def is_dp_coupled(self) -> bool:
+        """The DP engines step in lockstep (MoE with expert parallelism over the DP ranks), so
+        they pause and recover as one group; dense DP engines share nothing."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
+
 
 @dataclass(frozen=True)
 class FaultToleranceConfig:

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import zmq
 
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import ControlReply, ControlRequest
+from bastion.ipc.control import EngineFault, EngineReply, Heartbeat
+from bastion.ipc.messages import FailureKind
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,9 @@ class EngineHealth:
 
     RUNNING, PAUSED, FAULTED = "running", "paused", "faulted"
 
-    def __init__(self) -> None:
+    def __init__(self, epoch: int = 0) -> None:
         self.state = self.PAUSED
-        self.epoch = 0
+        self.epoch = epoch
         self.num_steps = 0
         self.busy_since: float | None = None
         self.fault_info: str | None = None
@@ -67,25 +68,27 @@ class EngineHealth:
 
 class ControlThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, address: str, health: EngineHealth,
-                 loop_inputs: queue.Queue) -> None:
+                 loop_inputs: queue.Queue, incarnation: int) -> None:
         super().__init__(daemon=True, name="engine-control")
         self.ctx = ctx
         self.address = address
         self.health = health
         self.loop_inputs = loop_inputs
-        self.outbox: queue.Queue[ControlReply] = queue.Queue()
+        self.incarnation = incarnation
+        self.outbox: queue.Queue[EngineReply | EngineFault] = queue.Queue()
 
-    def report_fault(self, info: str) -> None:
-        self.outbox.put(ControlReply(-1, ok=False, faulted=True, fault_info=info,
-                                     epoch=self.health.epoch))
+    def report_fault(self, kind: FailureKind, info: str) -> None:
+        self.outbox.put(EngineFault(self.incarnation, self.health.epoch, kind, info))
 
-    def reply(self, seq: int, ok: bool, error: str | None = None) -> None:
-        self.outbox.put(self._status(seq, ok, error))
+    def reply(self, seq: int, ok: bool, error: str | None = None,
+              kind: FailureKind = FailureKind.NONE) -> None:
+        self.outbox.put(self._status(seq, ok, error, kind))
 
-    def _status(self, seq: int, ok: bool = True, error: str | None = None) -> ControlReply:
+    def _status(self, seq: int, ok: bool = True, error: str | None = None,
+                kind: FailureKind = FailureKind.NONE) -> EngineReply:
         h = self.health
-        return ControlReply(seq, ok, error, h.num_steps, h.busy_for(),
-                            h.state == EngineHealth.FAULTED, h.fault_info, h.epoch)
+        return EngineReply(seq, self.incarnation, ok, error, kind, h.num_steps, h.busy_for(),
+                           h.epoch, h.is_running)
 
     def run(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -100,8 +103,7 @@ class ControlThread(threading.Thread):
             kind, msg = decode(sock.recv_multipart())
             if kind != MsgKind.CONTROL:
                 continue
-            assert isinstance(msg, ControlRequest)
-            if msg.command == "heartbeat":
+            if isinstance(msg, Heartbeat):
                 sock.send_multipart(encode(self._status(msg.seq)))
             else:
                 self.loop_inputs.put((MsgKind.CONTROL, msg))

@@ -20,7 +20,8 @@ import zmq
 
 from bastion.core.config import ConfigError
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import Failure, HandshakeInfo, Hello, Ready
+from bastion.ipc.control import HandshakeInfo
+from bastion.ipc.messages import Failure, Hello, Ready
 
 logger = logging.getLogger(__name__)
 
