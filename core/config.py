@@ -194,10 +194,15 @@ class FaultToleranceConfig:
     ft_recovery_timeout_s: float = 120.0  # one attempt (pause, restart, regroup) must fit in it
     ft_hang_timeout_s: float = 30.0  # no heartbeat progress for this long is a hang
     ft_inflight: str = "resume"  # resume | abort: what happens to in-flight requests on a fault
+    # Warm spare engines per sentinel (each with a worker spare per rank), promoted on a
+    # restart; 0 starts a replacement from nothing.
+    ft_warm_spares: int = 1
 
     def __post_init__(self) -> None:
         if self.ft_inflight not in ("resume", "abort"):
             raise ConfigError(f"ft_inflight must be resume or abort; got {self.ft_inflight!r}")
+        if self.ft_warm_spares not in (0, 1):
+            raise ConfigError(f"ft_warm_spares must be 0 or 1; got {self.ft_warm_spares}")
         if self.ft_max_attempts < 1:
             raise ConfigError("ft_max_attempts must be at least 1")
         if self.ft_hang_timeout_s <= 0 or self.ft_recovery_timeout_s <= 0:

@@ -50,6 +50,7 @@ from bastion.ipc.messages import (
 from bastion.procs.engine_control import ControlThread, EngineHealth
 from bastion.procs.executor import MultiprocExecutor
 from bastion.procs.faults import InjectedFault, failure_kind
+from bastion.procs.lifecycle import Spares
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class EngineProc:
         threading.Thread(target=self._output_thread, args=(ctx, launch.output),
                          daemon=True, name="engine-output").start()
         self.control = ControlThread(ctx, launch.control, self.health, self.inputs,
-                                     launch.incarnation)
+                                     launch.incarnation, executor.dead_worker)
         self.control.start()
 
     # ------------------------------------------------------------------------- I/O threads
@@ -318,7 +319,7 @@ def _start_timings(executor: MultiprocExecutor) -> dict[str, int]:
 
 
 def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
-               ctx: zmq.Context) -> None:
+               ctx: zmq.Context, worker_spares: Spares | None = None) -> None:
     engine_id = info.rank
     launch = info.launch
     assert isinstance(launch, EngineLaunch)
@@ -330,7 +331,7 @@ def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
         config = config.replace(cache=dataclasses.replace(
             config.cache, num_gpu_blocks_override=launch.num_blocks))
     executor = MultiprocExecutor(config, launch.runtime_dir, engine_id, epoch=epoch,
-                                 defer_groups=start_paused)
+                                 defer_groups=start_paused, spares=worker_spares)
     try:
         core = EngineCore(config, executor, max_model_len, engine_id)
     except Exception as exc:

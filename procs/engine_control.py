@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -68,14 +68,27 @@ class EngineHealth:
 
 class ControlThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, address: str, health: EngineHealth,
-                 loop_inputs: queue.Queue, incarnation: int) -> None:
+                 loop_inputs: queue.Queue, incarnation: int,
+                 dead_worker: Callable[[], str | None] = lambda: None) -> None:
+        """``dead_worker``: a message naming a worker process that is gone, else None; asked
+        on every heartbeat, so a worker's death is reported even while the loop is idle."""
         super().__init__(daemon=True, name="engine-control")
+        self.dead_worker = dead_worker
+        self._reported_dead_worker = False
         self.ctx = ctx
         self.address = address
         self.health = health
         self.loop_inputs = loop_inputs
         self.incarnation = incarnation
         self.outbox: queue.Queue[EngineReply | EngineFault] = queue.Queue()
+
+    def _check_workers(self) -> None:
+        if self._reported_dead_worker:
+            return
+        message = self.dead_worker()
+        if message is not None:
+            self._reported_dead_worker = True
+            self.report_fault(FailureKind.PROCESS_EXIT, message)
 
     def report_fault(self, kind: FailureKind, info: str) -> None:
         self.outbox.put(EngineFault(self.incarnation, self.health.epoch, kind, info))
@@ -105,5 +118,6 @@ class ControlThread(threading.Thread):
                 continue
             if isinstance(msg, Heartbeat):
                 sock.send_multipart(encode(self._status(msg.seq)))
+                self._check_workers()
             else:
                 self.loop_inputs.put((MsgKind.CONTROL, msg))

@@ -32,7 +32,14 @@ from bastion.procs.distributed import (
     worker_group_port,
 )
 from bastion.procs.faults import WorkerFailure
-from bastion.procs.lifecycle import Child, HandshakeServer, encode_config, ipc_address, spawn_child
+from bastion.procs.lifecycle import (
+    Child,
+    HandshakeServer,
+    Spares,
+    encode_config,
+    ipc_address,
+    spawn_child,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +47,10 @@ logger = logging.getLogger(__name__)
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, runtime_dir: str, engine_id: int,
                  startup_timeout_s: float = 300.0, epoch: int = 0,
-                 defer_groups: bool = False) -> None:
+                 defer_groups: bool = False, spares: Spares | None = None) -> None:
         """``defer_groups``: a restarted engine's workers load their shards without joining
-        the cross-engine groups, which they join at the group's next ``recover``."""
+        the cross-engine groups, which they join at the group's next ``recover``.
+        ``spares``: warm worker spares (one per rank) to promote instead of starting anew."""
         self.config = config
         self.epoch = epoch
         self.engine_id = engine_id
@@ -66,17 +74,28 @@ class MultiprocExecutor:
             infos[rank] = HandshakeInfo(encode_config(config), WorkerLaunch(
                 addr, out_addr, runtime_dir, dist_host, dist_port, engine_id,
                 config.parallel.data_parallel_size, epoch, defer_groups), rank)
-        handshake = HandshakeServer(self.ctx, ipc_address(runtime_dir, f"{prefix}-workers-hs"))
-        self.workers: list[Child] = [
-            spawn_child("worker", rank, f"bastion::worker-{engine_id}-{rank}", handshake.address)
-            for rank in range(self.num_workers)]
+        if spares is not None and spares.is_alive() and len(spares.children) == self.num_workers:
+            self.workers: list[Child] = spares.children
+            run = spares.promote
+            logger.info("engine %d: promoting %d warm worker spare(s)", engine_id,
+                        self.num_workers)
+        else:
+            if spares is not None:
+                spares.kill()
+            handshake = HandshakeServer(self.ctx, ipc_address(runtime_dir, f"{prefix}-workers-hs"))
+            self.workers = [spawn_child("worker", rank, f"bastion::worker-{engine_id}-{rank}",
+                                        handshake.address) for rank in range(self.num_workers)]
+
+            def run(infos: dict, timeout_s: float) -> dict:
+                try:
+                    return handshake.run(self.workers, infos, timeout_s)
+                finally:
+                    handshake.close()
         try:
-            self.ready = handshake.run(self.workers, infos, startup_timeout_s)
+            self.ready = run(infos, startup_timeout_s)
         except Exception:
             self.shutdown()
             raise
-        finally:
-            handshake.close()
 
     # -------------------------------------------------------------------------- plumbing
 
@@ -93,6 +112,14 @@ class MultiprocExecutor:
                 raise WorkerFailure(f"no answer from the workers of engine {self.engine_id} "
                                     f"within {timeout_s:.0f} s", FailureKind.HANG)
         return decode(self.outbox.recv_multipart())
+
+    def dead_worker(self) -> str | None:
+        """A message naming a worker process that exited, else None (any thread may ask)."""
+        for worker in self.workers:
+            code = worker.proc.poll()
+            if code is not None:
+                return f"{worker.title} exited with code {code}"
+        return None
 
     def check_workers(self) -> None:
         for worker in self.workers:

@@ -33,11 +33,34 @@ from bastion.ipc.control import (
     ShutdownEngine,
 )
 from bastion.ipc.messages import FailureKind
-from bastion.procs.lifecycle import Child, HandshakeServer, encode_config, ipc_address, spawn_child
+from bastion.procs.lifecycle import (
+    Child,
+    HandshakeServer,
+    SpareSettings,
+    Spares,
+    encode_config,
+    ipc_address,
+    spawn_child,
+)
 
 logger = logging.getLogger(__name__)
 
 RESEND_S = 1.0
+_SPARE_RETRY_S = 5.0
+# An idle spare engine and its worker spares hold torch and bastion imported (measured on CPU:
+# about 0.3 GiB each process, docs/FAULTS.md); leave room for the serving processes too.
+_SPARE_MIN_HOST_BYTES = 2 * 2**30
+
+
+def host_memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @dataclass
@@ -74,6 +97,11 @@ class EngineHandle:
         self._results: dict[int, EngineReply] = {}
         self._starter: threading.Thread | None = None
         self.is_up = False  # started, READY and announced (until the next start)
+        self.spare: Spares | None = None  # a warm spare engine (with its worker spares)
+        self.num_spares_started = 0
+        self._last_spare_start = -1e9
+        self.promoted = False  # the last start promoted a spare
+        self._no_memory = False
         self._start_error: BaseException | None = None
         self.start_phases: dict[str, float] = {}
 
@@ -114,27 +142,33 @@ class EngineHandle:
             self.incarnation,
         )
         t0 = time.perf_counter()
-        handshake = HandshakeServer(
-            self.ctx,
-            ipc_address(self.runtime_dir, f"engine{self.engine_id}-hs-{launch.incarnation}"),
-        )
-        self.child = spawn_child(
-            "engine", self.engine_id, f"bastion::engine-{self.engine_id}", handshake.address
-        )
         info = HandshakeInfo(encode_config(self.config), launch, self.engine_id)
-        self._starter = threading.Thread(
-            target=self._run_handshake,
-            args=(handshake, info, timeout_s, t0),
-            daemon=True,
-            name="engine-start",
-        )
+        spare, self.spare = self.spare, None
+        self.promoted = spare is not None and spare.is_alive()
+        if self.promoted:
+            self.child = spare.children[0]
+            run = spare.promote
+        else:
+            if spare is not None:
+                spare.kill()
+            handshake = HandshakeServer(self.ctx, ipc_address(
+                self.runtime_dir, f"engine{self.engine_id}-hs-{launch.incarnation}"))
+            self.child = spawn_child("engine", self.engine_id,
+                                     f"bastion::engine-{self.engine_id}", handshake.address)
+
+            def run(infos: dict, timeout_s: float) -> dict:
+                try:
+                    return handshake.run([self.child], infos, timeout_s)
+                finally:
+                    handshake.close()
+        self._starter = threading.Thread(target=self._run_handshake,
+                                         args=(run, info, timeout_s, t0), daemon=True,
+                                         name="engine-start")
         self._starter.start()
 
-    def _run_handshake(
-        self, handshake: HandshakeServer, info: HandshakeInfo, timeout_s: float, t0: float
-    ) -> None:
+    def _run_handshake(self, run, info: HandshakeInfo, timeout_s: float, t0: float) -> None:
         try:
-            ready = handshake.run([self.child], {self.engine_id: info}, timeout_s)
+            ready = run({self.engine_id: info}, timeout_s)
             timings = ready[self.engine_id].info
             self.num_blocks = self.num_blocks or timings.get("num_blocks")
             total = time.perf_counter() - t0
@@ -147,8 +181,37 @@ class EngineHandle:
             }
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which reports it
             self._start_error = exc
-        finally:
-            handshake.close()
+
+    def keep_spare(self) -> None:
+        """Keep a warm spare while the engine is up: start one when there is none, replace one
+        that died (serving is not touched). At most one start per ``_SPARE_RETRY_S``."""
+        if self.config.fault_tolerance.ft_warm_spares < 1 or not self.is_up or self._no_memory:
+            return
+        if self.spare is not None and self.spare.is_alive():
+            return
+        now = time.monotonic()
+        if now - self._last_spare_start < _SPARE_RETRY_S:
+            return
+        if self.spare is not None:
+            codes = [c.proc.poll() for c in self.spare.children]
+            logger.warning("sentinel %d: the warm spare exited (code %s); starting another",
+                           self.engine_id, codes[0])
+            self.spare.kill()
+        available = host_memory_available()
+        if available is not None and available < _SPARE_MIN_HOST_BYTES:
+            logger.warning("sentinel %d: no warm spare: %.1f GiB of host memory available, a "
+                           "spare needs %.1f GiB", self.engine_id, available / 2**30,
+                           _SPARE_MIN_HOST_BYTES / 2**30)
+            self._no_memory = True
+            return
+        self._last_spare_start = now
+        self.num_spares_started += 1
+        tp = self.config.parallel.tensor_parallel_size
+        settings = SpareSettings(f"bastion::engine-{self.engine_id}", self.config.model.device,
+                                 tp, self.runtime_dir, self.engine_id, tp)
+        self.spare = Spares(self.ctx, ipc_address(
+            self.runtime_dir, f"engine{self.engine_id}-spare-{self.num_spares_started}"),
+            "engine", {self.engine_id: settings})
 
     @property
     def is_starting(self) -> bool:
@@ -183,6 +246,8 @@ class EngineHandle:
         time.sleep(0.2)  # let the workers' parent-death signal land before ports are reused
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.spare is not None:
+            self.spare.kill()
         if self._starter is not None:
             self._starter.join(timeout_s)
         if self.child is None:

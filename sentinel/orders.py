@@ -96,7 +96,8 @@ class OrderRunner:
             except Exception as exc:  # noqa: BLE001 - the attempt fails with its message
                 return self._done(job, False, FailureKind.EXCEPTION, f"{type(exc).__name__}: {exc}")
             job.phases.update(engine.start_phases)
-            return self._done(job, True, info="restarted")
+            return self._done(job, True, info="promoted a warm spare" if engine.promoted
+                              else "restarted")
         order = job.order
         reinit = isinstance(order, PauseOrder) and order.instruction == Instruction.REINIT
         if job.stage == "new":

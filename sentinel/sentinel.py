@@ -118,6 +118,8 @@ class Sentinel:
             self.engine.heartbeat()
         self._watch()
         self.engine.resend(now)
+        if self.orders.job is None:
+            self.engine.keep_spare()
         for done in self.orders.tick(now):
             self.peers.to_coordinator(done)
         if self.coordinator is not None:
