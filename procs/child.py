@@ -98,6 +98,13 @@ def _prepare_spare(role: str, rank: int, spare: SpareSettings, ctx: zmq.Context)
 
     for model_type in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         CONFIG_MAPPING[model_type]
+    if spare.config_json:
+        from bastion.core.loader import resolve_model
+
+        try:  # memoized per process: the promoted spare finds it done
+            resolve_model(msgspec.json.decode(spare.config_json, type=EngineConfig).model)
+        except Exception:  # noqa: BLE001 - the launch will resolve again, and report
+            logger.warning("warm spare: resolving the model failed", exc_info=True)
     if role == "worker" and spare.device == "cuda":
         import torch
 
@@ -106,7 +113,8 @@ def _prepare_spare(role: str, rank: int, spare: SpareSettings, ctx: zmq.Context)
         torch.empty(1, device=f"cuda:{index}")  # creates the context
     if role == "engine" and spare.num_workers > 0:
         settings = {r: SpareSettings(f"bastion::worker-{spare.engine_id}-{r}", spare.device,
-                                     engine_id=spare.engine_id, tp_size=spare.tp_size)
+                                     engine_id=spare.engine_id, tp_size=spare.tp_size,
+                                     config_json=spare.config_json)
                     for r in range(spare.num_workers)}
         address = ipc_address(spare.runtime_dir, f"engine{spare.engine_id}-ws-{os.getpid()}")
         return {"worker_spares": Spares(ctx, address, "worker", settings)}

@@ -123,6 +123,9 @@ class SpareSettings(msgspec.Struct, omit_defaults=True):
     runtime_dir: str = ""
     engine_id: int = 0
     tp_size: int = 1
+    # The config it will most likely be launched with: the spare resolves its model ahead
+    # (the file's digest, the converted cache, the HF config); the launch's config rules.
+    config_json: str = ""
 
 
 class Spares:

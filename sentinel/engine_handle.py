@@ -208,7 +208,8 @@ class EngineHandle:
         self.num_spares_started += 1
         tp = self.config.parallel.tensor_parallel_size
         settings = SpareSettings(f"bastion::engine-{self.engine_id}", self.config.model.device,
-                                 tp, self.runtime_dir, self.engine_id, tp)
+                                 tp, self.runtime_dir, self.engine_id, tp,
+                                 encode_config(self.config).decode())
         self.spare = Spares(self.ctx, ipc_address(
             self.runtime_dir, f"engine{self.engine_id}-spare-{self.num_spares_started}"),
             "engine", {self.engine_id: settings})
