@@ -24,8 +24,8 @@ from bastion.core.config import ConfigError, EngineConfig
 from bastion.ipc.codec import encode
 from bastion.ipc.messages import Failure
 from bastion.procs.lifecycle import (
-    SpareSettings,
     Spares,
+    SpareSettings,
     child_handshake,
     die_with_parent,
     ipc_address,
@@ -103,7 +103,7 @@ def _prepare_spare(role: str, rank: int, spare: SpareSettings, ctx: zmq.Context)
 
         try:  # memoized per process: the promoted spare finds it done
             resolve_model(msgspec.json.decode(spare.config_json, type=EngineConfig).model)
-        except Exception:  # noqa: BLE001 - the launch will resolve again, and report
+        except Exception:  # the launch resolves again, and reports what fails
             logger.warning("warm spare: resolving the model failed", exc_info=True)
     if role == "worker" and spare.device == "cuda":
         import torch

@@ -36,8 +36,8 @@ from bastion.ipc.messages import FailureKind
 from bastion.procs.lifecycle import (
     Child,
     HandshakeServer,
-    SpareSettings,
     Spares,
+    SpareSettings,
     encode_config,
     ipc_address,
     spawn_child,
