@@ -24,7 +24,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from bastion.api.engine_protocol import EngineClient
 from bastion.core.config import CacheConfig
 from bastion.core.output_processor import SeqDelta
-from bastion.ipc.messages import EngineState, EngineStatus, SamplingParams, SchedulerStats
+from bastion.ipc.messages import (
+    EngineState,
+    EngineStatus,
+    FailureKind,
+    SamplingParams,
+    SchedulerStats,
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -56,15 +62,11 @@ def buckets_1_2_5(limit: int) -> list[int]:
 _RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
-def fault_kind(info: str) -> str:
-    """A coarse label for a fault message (bounded label values for Prometheus)."""
-    text = info.lower()
-    for needle, kind in (("injected", "injected"), ("hang", "hang"),
-                         ("exited", "process_exit"), ("workerfailure", "worker_failure"),
-                         ("distributed", "collective"), ("timeout", "collective")):
-        if needle in text:
-            return kind
-    return "exception"
+def fault_kind(statuses: list[EngineStatus]) -> str:
+    """The label of a group's fault: the kind its faulted engine reported (a bounded set,
+    ``FailureKind``'s names)."""
+    kinds = [s.fault_kind for s in statuses if s.fault_kind != FailureKind.NONE]
+    return (kinds[0] if kinds else FailureKind.EXCEPTION).label
 
 
 class ApiMetrics:
@@ -186,8 +188,7 @@ class ApiMetrics:
         healthy = all(s.state == EngineState.HEALTHY for s in statuses)
         if not healthy and self._fault_seen_at is None:
             self._fault_seen_at = time.monotonic()
-            info = " ".join(s.fault_info or "" for s in statuses)
-            self.faults.labels(m, fault_kind(info)).inc()
+            self.faults.labels(m, fault_kind(statuses)).inc()
         epoch = max((s.epoch for s in statuses), default=0)
         if healthy and self._fault_seen_at is not None and epoch != self._epoch:
             action = statuses[0].last_action or "unknown"

@@ -195,6 +195,12 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
 
+    @property
+    def is_dp_coupled(self) -> bool:
+        """The DP engines step in lockstep (MoE with expert parallelism over the DP ranks), so
+        they pause and recover as one group; dense DP engines share nothing."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
+
 
 def cpu_threads_per_worker(parallel: ParallelConfig) -> int:
     """Torch threads of one worker process: ``parallel.cpu_threads``, else the cores this
@@ -221,10 +227,15 @@ class FaultToleranceConfig:
     ft_recovery_timeout_s: float = 120.0  # one attempt (pause, restart, regroup) must fit in it
     ft_hang_timeout_s: float = 30.0  # no heartbeat progress for this long is a hang
     ft_inflight: str = "resume"  # resume | abort: what happens to in-flight requests on a fault
+    # Warm spare engines per sentinel (each with a worker spare per rank), promoted on a
+    # restart; 0 starts a replacement from nothing.
+    ft_warm_spares: int = 1
 
     def __post_init__(self) -> None:
         if self.ft_inflight not in ("resume", "abort"):
             raise ConfigError(f"ft_inflight must be resume or abort; got {self.ft_inflight!r}")
+        if self.ft_warm_spares not in (0, 1):
+            raise ConfigError(f"ft_warm_spares must be 0 or 1; got {self.ft_warm_spares}")
         if self.ft_max_attempts < 1:
             raise ConfigError("ft_max_attempts must be at least 1")
         if self.ft_hang_timeout_s <= 0 or self.ft_recovery_timeout_s <= 0:

@@ -82,7 +82,7 @@ class EngineCore:
                                    self.structured_output)
         self.loras: dict[int, LoRARequest] = {}  # loaded adapters by id
         par = config.parallel
-        self.is_coupled = par.data_parallel_size > 1 and par.enable_expert_parallel
+        self.is_coupled = par.is_dp_coupled
         # NOTE: a coupled group's engines must run the same number of forwards (their expert
         # collectives pair up), which a step queue that drains at different times would break.
         # NOTE: and not while speculating: a verify step's number of emitted tokens is known

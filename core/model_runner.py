@@ -215,6 +215,7 @@ class ModelRunner:
         # With --enable-lora, the decode buckets once more without the adapter kernels (same
         # pool), replayed for steps where no row has an adapter: base traffic pays nothing.
         self.base_graph_runner: CUDAGraphRunner | None = None
+        self.graph_capture_s = 0.0  # the last capture's duration (a recovery's phase timings)
         self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
         # Steps whose tokens this runner has not folded into its request state yet, oldest
         # first; all but the newest are folded in at the start of each step.
@@ -329,6 +330,7 @@ class ModelRunner:
         """Allocate the KV cache, then (on a GPU) capture the decode CUDA graphs over it."""
         self._allocate_kv_cache(num_blocks)
         if self.use_cuda_graphs:
+            start = time.perf_counter()
             runner = self.build_graph_runner()
             try:
                 runner.capture()
@@ -339,6 +341,8 @@ class ModelRunner:
                 logger.warning("CUDA graph capture failed (%s: %s); decode runs eager",
                                type(exc).__name__, exc)
                 return
+            finally:
+                self.graph_capture_s = time.perf_counter() - start
             self.graph_runner = runner
             if self.lora_manager is not None:
                 base = self.build_graph_runner(with_lora=False)

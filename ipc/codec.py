@@ -7,9 +7,11 @@ kind names is rejected with ``msgspec.DecodeError``.
 from __future__ import annotations
 
 import enum
+import typing
 
 import msgspec
 
+from bastion.ipc import control as c
 from bastion.ipc import messages as m
 
 
@@ -43,18 +45,20 @@ _TYPES: dict[MsgKind, type] = {
     MsgKind.EXECUTE: m.SchedulerOutput,
     MsgKind.RUNNER_OUTPUT: m.ModelRunnerOutput,
     MsgKind.HELLO: m.Hello,
-    MsgKind.HANDSHAKE: m.HandshakeInfo,
+    MsgKind.HANDSHAKE: c.HandshakeInfo,
     MsgKind.READY: m.Ready,
     MsgKind.FAILURE: m.Failure,
     MsgKind.WORKER_CALL: m.WorkerCall,
     MsgKind.WORKER_REPLY: m.WorkerReply,
     MsgKind.SHUTDOWN: m.AbortRequests,  # body unused
-    MsgKind.CONTROL: m.ControlRequest,
-    MsgKind.CONTROL_REPLY: m.ControlReply,
-    MsgKind.PEER: m.PeerMessage,
+    MsgKind.CONTROL: c.EngineCommand,
+    MsgKind.CONTROL_REPLY: c.EngineControlReply,
+    MsgKind.PEER: c.PeerMessage,
     MsgKind.GRAMMAR_BITMASK: m.GrammarBitmask,
 }
-_KIND_OF = {cls: kind for kind, cls in _TYPES.items() if kind != MsgKind.SHUTDOWN}
+# NOTE: a tagged union's kind is that of every member; the tag inside the body names the member.
+_KIND_OF = {member: kind for kind, tp in _TYPES.items() if kind != MsgKind.SHUTDOWN
+            for member in typing.get_args(tp) or (tp,)}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _TYPES.items()}
 _KIND_BYTES = {kind: bytes([kind]) for kind in MsgKind}

@@ -263,6 +263,22 @@ class EngineState(enum.IntEnum):
     DEAD = 4
 
 
+class FailureKind(enum.IntEnum):
+    """What went wrong (a field of every fault report; the metrics' ``kind`` is ``label``)."""
+
+    NONE = 0
+    EXCEPTION = 1  # an exception in the busy loop or in a worker's step
+    INJECTED = 2  # a drill's fault (--enable-fault-injection)
+    PROCESS_EXIT = 3  # the engine or one of its workers is gone
+    HANG = 4  # no heartbeat, or a step that made no progress within the bound
+    COLLECTIVE = 5  # a collective timed out (a peer died inside it)
+    UNREACHABLE = 6  # a sentinel did not answer an order in time
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
 class EngineStatus(msgspec.Struct, **_WIRE):
     """STATUS: an engine's health as its sentinel sees it."""
 
@@ -273,6 +289,10 @@ class EngineStatus(msgspec.Struct, **_WIRE):
     last_action: str | None = None
     last_action_id: str | None = None
     last_action_error: str | None = None
+    fault_kind: FailureKind = FailureKind.NONE
+    # The last recovery on this engine: seconds per phase (spawn_or_promote, load, kv_cache,
+    # graphs, rejoin, total), as its sentinel measured them.
+    last_recovery_phases: dict[str, float] = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,14 +402,6 @@ class Hello(msgspec.Struct, **_WIRE):
     pid: int
 
 
-class HandshakeInfo(msgspec.Struct, **_WIRE):
-    """The parent's answer to HELLO: the config to run and the addresses to use."""
-
-    config_json: bytes
-    addresses: dict[str, str]
-    rank: int = 0
-
-
 class Ready(msgspec.Struct, **_WIRE):
     """Sent once the model is loaded (and, for engines, the KV cache allocated)."""
 
@@ -406,6 +418,7 @@ class Failure(msgspec.Struct, **_WIRE):
     rank: int
     message: str
     is_user_error: bool = False  # a ConfigError: the message alone says what to change
+    kind: FailureKind = FailureKind.EXCEPTION  # of a failed step
 
 
 class WorkerCall(msgspec.Struct, **_WIRE):
@@ -421,47 +434,3 @@ class WorkerReply(msgspec.Struct, **_WIRE):
     rank: int
     result: object = None
     failure: str | None = None
-
-
-# ---------------------------------------------------------------------------------------------
-# fault tolerance: engine <-> sentinel control, sentinel <-> sentinel, API -> sentinel
-# ---------------------------------------------------------------------------------------------
-
-
-class ControlRequest(msgspec.Struct, **_WIRE):
-    """Sentinel -> engine, on the engine's control thread (never waits behind a step).
-
-    ``command``: heartbeat | pause | recover | inject | shutdown."""
-
-    seq: int
-    command: str
-    args: dict[str, object] = {}
-
-
-class ControlReply(msgspec.Struct, **_WIRE):
-    """Engine -> sentinel. ``seq == -1``: an unsolicited fault report."""
-
-    seq: int
-    ok: bool = True
-    error: str | None = None
-    num_steps: int = 0
-    busy_for_s: float = 0.0  # how long the busy loop has been inside one step or collective
-    faulted: bool = False
-    fault_info: str | None = None
-    epoch: int = 0
-
-
-class PeerMessage(msgspec.Struct, **_WIRE):
-    """Between sentinels (and from a sentinel's API). ``kind``:
-    fault | pause | paused | recover | recovered | status | apply | apply_result | inject."""
-
-    kind: str
-    sender: int
-    epoch: int = 0
-    info: str | None = None
-    statuses: list[EngineStatus] = []
-    ports: dict[str, int] = {}
-    request_id: str | None = None
-    instruction: str | None = None
-    params: dict[str, object] = {}
-    ok: bool = True

@@ -1,14 +1,20 @@
-"""Entry point of every child process: ``python -m bastion.procs.child ROLE RANK TITLE ADDR PPID``.
+"""Entry point of every child process:
+``python -m bastion.procs.child ROLE RANK TITLE ADDR PPID [SPARE_SETTINGS_JSON]``.
 
-Sets the title, ties its life to the parent, performs the HELLO/HANDSHAKE part of start-up
-and hands over to the role's main function (which says READY when it is).
+Sets the title, ties its life to the parent, imports its role's modules, performs the
+HELLO/HANDSHAKE part of start-up and hands over to the role's main function (which says READY
+when it is). A warm spare (``SpareSettings``) does everything up to HELLO at once (an engine
+spare also starts its own worker spares) and then waits, as long as it takes, for HANDSHAKE.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import signal
 import sys
+import time
 import traceback
 
 import msgspec
@@ -17,36 +23,51 @@ import zmq
 from bastion.core.config import ConfigError, EngineConfig
 from bastion.ipc.codec import encode
 from bastion.ipc.messages import Failure
-from bastion.procs.lifecycle import child_handshake, die_with_parent, set_process_title
+from bastion.procs.lifecycle import (
+    Spares,
+    SpareSettings,
+    child_handshake,
+    die_with_parent,
+    ipc_address,
+    set_process_title,
+)
 from bastion.procs.logs import setup_logging
+
+_MAINS = {"worker": ("bastion.procs.worker", "run_worker"),
+          "engine": ("bastion.procs.engine", "run_engine"),
+          "sentinel": ("bastion.sentinel.sentinel", "run_sentinel")}
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> None:
     role, rank, title, address, parent_pid = argv[0], int(argv[1]), argv[2], argv[3], int(argv[4])
+    spare = msgspec.json.decode(argv[5], type=SpareSettings) if len(argv) > 5 else None
+    start = time.perf_counter()
     die_with_parent(parent_pid)
     set_process_title(title)
     setup_logging()
     # The parent coordinates shutdown; a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if role not in _MAINS:
+        raise ValueError(f"unknown role {role!r}")
+    module, name = _MAINS[role]
+    role_main = getattr(importlib.import_module(module), name)
     ctx = zmq.Context.instance()
-    handshake, info = child_handshake(ctx, address, role, rank)
+    extra = {}
+    if spare is not None:
+        extra = _prepare_spare(role, rank, spare, ctx)
+        logger.info("%s: warm spare ready in %.1f s (host RSS %.0f MiB)", title,
+                    time.perf_counter() - start, _rss_mib())
+    handshake, info = child_handshake(ctx, address, role, rank,
+                                      timeout_s=None if spare is not None else 60.0)
+    if spare is not None:
+        title = spare.title
+        set_process_title(title)
     try:
         config = msgspec.json.decode(info.config_json, type=EngineConfig)
-        if role == "worker":
-            from bastion.procs.worker import run_worker
-
-            run_worker(config, info, handshake, ctx)
-        elif role == "engine":
-            from bastion.procs.engine import run_engine
-
-            run_engine(config, info, handshake, ctx)
-        elif role == "sentinel":
-            from bastion.sentinel.sentinel import run_sentinel
-
-            run_sentinel(config, info, handshake, ctx)
-        else:
-            raise ValueError(f"unknown role {role!r}")
+        role_main(config, info, handshake, ctx, **extra)
     except SystemExit:
         raise
     except ConfigError as exc:
@@ -66,6 +87,49 @@ def main(argv: list[str]) -> None:
         except zmq.ZMQError:
             pass
         sys.exit(1)
+
+
+def _prepare_spare(role: str, rank: int, spare: SpareSettings, ctx: zmq.Context) -> dict:
+    """What a spare does before it waits: the imports that loading a model config pulls in,
+    device initialisation (a worker on a GPU) and its own worker spares (an engine)."""
+    # NOTE: transformers imports a model type's config module (and with it hundreds of
+    # modules) at its first lookup: measured 6-9 s of a promotion on a loaded 2-core host.
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for model_type in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+        CONFIG_MAPPING[model_type]
+    if spare.config_json:
+        from bastion.core.loader import resolve_model
+
+        try:  # memoized per process: the promoted spare finds it done
+            resolve_model(msgspec.json.decode(spare.config_json, type=EngineConfig).model)
+        except Exception:  # the launch resolves again, and reports what fails
+            logger.warning("warm spare: resolving the model failed", exc_info=True)
+    if role == "worker" and spare.device == "cuda":
+        import torch
+
+        index = (spare.engine_id * spare.tp_size + rank) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        torch.empty(1, device=f"cuda:{index}")  # creates the context
+    if role == "engine" and spare.num_workers > 0:
+        settings = {r: SpareSettings(f"bastion::worker-{spare.engine_id}-{r}", spare.device,
+                                     engine_id=spare.engine_id, tp_size=spare.tp_size,
+                                     config_json=spare.config_json)
+                    for r in range(spare.num_workers)}
+        address = ipc_address(spare.runtime_dir, f"engine{spare.engine_id}-ws-{os.getpid()}")
+        return {"worker_spares": Spares(ctx, address, "worker", settings)}
+    return {}
+
+
+def _rss_mib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 if __name__ == "__main__":

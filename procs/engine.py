@@ -28,13 +28,21 @@ from bastion.core.config import ConfigError, EngineConfig
 from bastion.core.engine_core import EngineCore
 from bastion.core.loader import get_max_model_len, resolve_model
 from bastion.ipc.codec import MsgKind, decode, encode
+from bastion.ipc.control import (
+    EngineLaunch,
+    FaultInjection,
+    HandshakeInfo,
+    InjectFault,
+    PauseEngine,
+    RecoverEngine,
+    ShutdownEngine,
+)
 from bastion.ipc.messages import (
     AbortRequests,
-    ControlRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
     Failure,
-    HandshakeInfo,
+    FailureKind,
     LoRARequest,
     Ready,
     UtilityCall,
@@ -42,6 +50,8 @@ from bastion.ipc.messages import (
 )
 from bastion.procs.engine_control import ControlThread, EngineHealth
 from bastion.procs.executor import MultiprocExecutor
+from bastion.procs.faults import InjectedFault, failure_kind
+from bastion.procs.lifecycle import Spares
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +60,7 @@ class EngineProc:
     """An ``EngineCore`` with its I/O threads, control thread and busy loop."""
 
     def __init__(self, core: EngineCore, executor: MultiprocExecutor, config: EngineConfig,
-                 ctx: zmq.Context, addresses: dict[str, str]) -> None:
+                 ctx: zmq.Context, launch: EngineLaunch) -> None:
         self.core = core
         self.executor = executor
         self.config = config
@@ -58,19 +68,21 @@ class EngineProc:
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
         self.running = True
-        self.health = EngineHealth()
+        self.health = EngineHealth(launch.epoch)
         self.dp_group = None  # the engines' CPU group, when the DP group is coupled (MoE + EP)
-        self.injected: str | None = None
+        self.injected: FaultInjection | None = None
+        self._last_control: tuple[int, bool, str | None, FailureKind] | None = None
         self.is_coupled = core.is_coupled  # MoE + EP over DP: the engines step together
         if self.is_coupled:
             # The group is re-created at each epoch; the core asks whichever is current.
             core.dp_sync = lambda num_tokens, is_decode: self.dp_group.agree(num_tokens,
                                                                              is_decode)
-        threading.Thread(target=self._input_thread, args=(ctx, addresses["input"]),
+        threading.Thread(target=self._input_thread, args=(ctx, launch.input),
                          daemon=True, name="engine-input").start()
-        threading.Thread(target=self._output_thread, args=(ctx, addresses["output"]),
+        threading.Thread(target=self._output_thread, args=(ctx, launch.output),
                          daemon=True, name="engine-output").start()
-        self.control = ControlThread(ctx, addresses["control"], self.health, self.inputs)
+        self.control = ControlThread(ctx, launch.control, self.health, self.inputs,
+                                     launch.incarnation, executor.dead_worker)
         self.control.start()
 
     # ------------------------------------------------------------------------- I/O threads
@@ -155,18 +167,18 @@ class EngineProc:
 
     def _run_injected_fault(self) -> None:
         kind, self.injected = self.injected, None
-        logger.warning("engine %d: injecting fault %r", self.engine_id, kind)
-        if kind == "hang":
+        logger.warning("engine %d: injecting fault %s", self.engine_id, kind.name.lower())
+        if kind == FaultInjection.HANG:
             with self.health.busy():
                 while True:  # a stuck step: only the sentinel can end it
                     time.sleep(3600)
-        raise RuntimeError(f"injected fault in the busy loop of engine {self.engine_id}")
+        raise InjectedFault(f"injected fault in the busy loop of engine {self.engine_id}")
 
     def _on_fault(self, exc: Exception) -> None:
         info = f"{type(exc).__name__}: {exc}"
         logger.error("engine %d: fault: %s\n%s", self.engine_id, info, traceback.format_exc())
         self.health.set_faulted(info)
-        self.control.report_fault(info)
+        self.control.report_fault(failure_kind(exc), info)
 
     # --------------------------------------------------------------------------- messages
 
@@ -185,7 +197,6 @@ class EngineProc:
             assert isinstance(msg, UtilityCall)
             self._emit(EngineCoreOutputs(self.engine_id, utility_result=self._utility(msg)))
         elif kind == MsgKind.CONTROL:
-            assert isinstance(msg, ControlRequest)
             self._control(msg)
         elif kind == MsgKind.SHUTDOWN:
             self.running = False
@@ -209,23 +220,30 @@ class EngineProc:
 
     # ----------------------------------------------------------------- control (from sentinel)
 
-    def _control(self, req: ControlRequest) -> None:
-        """Commands the control thread queued for the loop; the reply goes back through it."""
+    def _control(self, req: PauseEngine | RecoverEngine | InjectFault | ShutdownEngine) -> None:
+        """Commands the control thread queued for the loop; the reply goes back through it.
+
+        NOTE: the sentinel re-sends a command it has no answer to under the same ``seq``; a
+        repeat (queued behind the original) gets the original's answer and changes nothing."""
+        last = self._last_control
+        if last is not None and last[0] == req.seq:
+            self.control.reply(*last)
+            return
+        ok, error, kind = True, None, FailureKind.NONE
         try:
-            if req.command == "pause":
+            if isinstance(req, PauseEngine):
                 self._pause()
-            elif req.command == "recover":
-                self._recover(int(req.args["epoch"]))
-            elif req.command == "inject":
-                self._inject(str(req.args["kind"]))
-            elif req.command == "shutdown":
+            elif isinstance(req, RecoverEngine):
+                self._recover(req.epoch)
+            elif isinstance(req, InjectFault):
+                self._inject(req.kind)
+            elif isinstance(req, ShutdownEngine):
                 self.running = False
-            else:
-                raise ValueError(f"unknown control command {req.command!r}")
-            self.control.reply(req.seq, ok=True)
         except Exception as exc:
-            logger.exception("engine %d: %s failed", self.engine_id, req.command)
-            self.control.reply(req.seq, ok=False, error=f"{type(exc).__name__}: {exc}")
+            logger.exception("engine %d: %s failed", self.engine_id, type(req).__name__)
+            ok, error, kind = False, f"{type(exc).__name__}: {exc}", failure_kind(exc)
+        self._last_control = (req.seq, ok, error, kind)
+        self.control.reply(*self._last_control)
 
     def _pause(self) -> None:
         """Drop every request and all KV state; the front end holds the requests and resubmits
@@ -250,13 +268,11 @@ class EngineProc:
         self.health.set_running(epoch)
         logger.info("engine %d: running at epoch %d", self.engine_id, epoch)
 
-    def _inject(self, kind: str) -> None:
-        if kind == "worker_exit":
+    def _inject(self, kind: FaultInjection) -> None:
+        if kind == FaultInjection.WORKER_EXIT:
             self.executor.inject_fault("worker_exit")
-        elif kind in ("raise", "hang"):
-            self.injected = kind
         else:
-            raise ValueError(f"unknown fault kind {kind!r}")
+            self.injected = kind
 
     def close(self) -> None:
         self.outputs.put(None)
@@ -299,19 +315,28 @@ def make_dp_group(config: EngineConfig, engine_id: int, epoch: int,
     return EngineGroup(config, engine_id, epoch, recovering)
 
 
+def _start_timings(executor: MultiprocExecutor) -> dict[str, int]:
+    """Milliseconds of the start's phases, the slowest worker's (a recovery logs them)."""
+    load = max(r.info.get("load_ms", 0) for r in executor.ready.values())
+    kv = getattr(executor, "kv_timings", None) or [{}]
+    return {"load_ms": load, "kv_cache_ms": max(t.get("kv_cache_ms", 0) for t in kv),
+            "graphs_ms": max(t.get("graphs_ms", 0) for t in kv)}
+
+
 def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
-               ctx: zmq.Context) -> None:
+               ctx: zmq.Context, worker_spares: Spares | None = None) -> None:
     engine_id = info.rank
-    epoch = int(info.addresses.get("epoch", "0"))
+    launch = info.launch
+    assert isinstance(launch, EngineLaunch)
+    epoch, start_paused = launch.epoch, launch.start_paused
     start = time.perf_counter()
     resolved = resolve_model(config.model)
     max_model_len = get_max_model_len(resolved.hf_config, config.model.max_model_len)
-    start_paused = info.addresses.get("start_paused") == "1"
-    if info.addresses.get("num_blocks"):
+    if launch.num_blocks:
         config = config.replace(cache=dataclasses.replace(
-            config.cache, num_gpu_blocks_override=int(info.addresses["num_blocks"])))
-    executor = MultiprocExecutor(config, info.addresses["runtime_dir"], engine_id, epoch=epoch,
-                                 defer_groups=start_paused)
+            config.cache, num_gpu_blocks_override=launch.num_blocks))
+    executor = MultiprocExecutor(config, launch.runtime_dir, engine_id, epoch=epoch,
+                                 defer_groups=start_paused, spares=worker_spares)
     try:
         core = EngineCore(config, executor, max_model_len, engine_id)
     except Exception as exc:
@@ -319,7 +344,7 @@ def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
         handshake.send_multipart(encode(Failure("engine", engine_id, str(exc),
                                                 is_user_error=isinstance(exc, ConfigError))))
         raise SystemExit(1) from exc
-    proc = EngineProc(core, executor, config, ctx, info.addresses)
+    proc = EngineProc(core, executor, config, ctx, launch)
     if start_paused:
         proc.health.set_paused()
     else:
@@ -328,7 +353,8 @@ def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
         proc.health.set_running(epoch)
     handshake.send_multipart(encode(Ready("engine", engine_id, os.getpid(),
                                           {"num_blocks": core.num_blocks,
-                                           "max_model_len": max_model_len})))
+                                           "max_model_len": max_model_len,
+                                           **_start_timings(executor)})))
     logger.info("engine %d ready in %.1f s", engine_id, time.perf_counter() - start)
     try:
         proc.run_busy_loop()

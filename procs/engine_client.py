@@ -4,10 +4,13 @@ It starts one sentinel per engine it serves (each sentinel starts its engine), s
 ABORT to the least-loaded healthy engine, and routes OUTPUTS back to each request's stream
 through the ``OutputProcessor`` (detokenization, stop strings).
 
-Fault tolerance, front-end side: the sentinels push the group's status here. While the group
-is not healthy, new requests wait; when it is healthy again at a new epoch, every request that
-was in flight is resubmitted with the tokens it already streamed, under a fresh engine request
-id, so a stale output of the old epoch can never be mistaken for a new one.
+Fault tolerance, front-end side: the sentinels push each engine's status here. When an engine
+stops serving (a fault) or comes back at a new epoch, every sequence it had is taken back and
+resubmitted, with the tokens it already streamed, to an engine that serves, under a fresh
+engine request id, so a stale output can never be mistaken for a new one. Dense DP engines are
+independent: the others keep serving and take the moved sequences at once. An expert-parallel
+group serves only when all its engines do, so its sequences (and new requests) wait for the
+group's recovery.
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ import zmq.asyncio
 from bastion.core.config import EngineConfig
 from bastion.core.output_processor import OutputProcessor, SeqDelta, fan_out
 from bastion.ipc.codec import MsgKind, decode, encode, shutdown_frames
+from bastion.ipc.control import (
+    ApplyRequest,
+    FaultInjection,
+    GroupFatal,
+    GroupStatus,
+    HandshakeInfo,
+    InjectRequest,
+    Instruction,
+    SentinelLaunch,
+)
 from bastion.ipc.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -35,9 +48,7 @@ from bastion.ipc.messages import (
     EngineState,
     EngineStatus,
     FinishReason,
-    HandshakeInfo,
     LoRARequest,
-    PeerMessage,
     SamplingParams,
     SchedulerStats,
     UtilityCall,
@@ -120,8 +131,12 @@ class AsyncEngineClient:
         self._stats = {i: SchedulerStats() for i in self.engine_ids}
         self._inflight = {i: 0 for i in self.engine_ids}
         self._num_submitted = {i: 0 for i in self.engine_ids}  # load-balancing record
-        self._statuses = [EngineStatus(i, EngineState.STARTING) for i in range(self.dp_size)]
-        self.epoch = 0
+        # An expert-parallel group needs every engine to serve; dense engines only themselves.
+        self.is_coupled = par.is_dp_coupled
+        shown = range(self.dp_size) if self.is_coupled else self.engine_ids
+        self._statuses = {i: EngineStatus(i, EngineState.STARTING) for i in shown}
+        self._epochs = {i: 0 for i in self.engine_ids}  # the epoch each engine serves at
+        self._submission_ids = itertools.count()
         self.fatal: str | None = None
         self.on_stats = None  # called with (engine index, stats) on every report (metrics)
         self.on_status = None  # called with the statuses on every status report (metrics)
@@ -144,10 +159,9 @@ class AsyncEngineClient:
             self.input_sockets[i] = self._push(ipc_address(rd, f"engine{i}-input"), bind=True)
             cmd = ipc_address(rd, f"sentinel{i}-cmd")
             self.cmd_sockets[i] = self._push(cmd, bind=False)
-            infos[i] = HandshakeInfo(encode_config(self.config), {
-                "input": ipc_address(rd, f"engine{i}-input"),
-                "output": ipc_address(rd, "api-output"), "status": ipc_address(rd, "api-status"),
-                "cmd": cmd, "runtime_dir": rd}, i)
+            infos[i] = HandshakeInfo(encode_config(self.config), SentinelLaunch(
+                ipc_address(rd, f"engine{i}-input"), ipc_address(rd, "api-output"),
+                ipc_address(rd, "api-status"), cmd, rd), i)
         handshake = HandshakeServer(zmq.Context.instance(), ipc_address(rd, "sentinels-hs"))
         children = [spawn_child("sentinel", i, f"bastion::sentinel-{i}", handshake.address)
                     for i in self.engine_ids]
@@ -192,10 +206,8 @@ class AsyncEngineClient:
             seq = _Seq(req.request_id, req, stream)
             stream.seqs.append(seq)
             self._open[seq.child_id] = seq
-            if self.is_ready():
-                self._submit(seq, self._pick_engine())
-            else:
-                self._held.append(seq)
+            self._held.append(seq)
+        self._dispatch_held()
         stream.num_open = len(stream.seqs)
         self._streams[request_id] = stream
         return stream
@@ -226,7 +238,7 @@ class AsyncEngineClient:
         """Send (or resend after a fault) one sequence, resuming after its streamed tokens."""
         produced = self.processor.output_token_ids(seq.child_id)
         seq.engine_id = engine_id
-        seq.engine_request_id = f"{seq.child_id}@{self.epoch}"
+        seq.engine_request_id = f"{seq.child_id}@{next(self._submission_ids)}"
         request = msgspec.structs.replace(seq.request, request_id=seq.engine_request_id,
                                           resumed_output_token_ids=list(produced))
         self._by_engine_id[seq.engine_request_id] = seq
@@ -234,10 +246,28 @@ class AsyncEngineClient:
         self._num_submitted[engine_id] += 1
         self.input_sockets[engine_id].send_multipart(encode(request))
 
-    def _pick_engine(self) -> int:
+    def _serving(self) -> list[int]:
+        """The engines that take requests now."""
+        if self.fatal is not None:
+            return []
+        healthy = [i for i in self.engine_ids if self._statuses[i].state == EngineState.HEALTHY]
+        if self.is_coupled and any(s.state != EngineState.HEALTHY
+                                   for s in self._statuses.values()):
+            return []
+        return healthy
+
+    def _pick_engine(self, serving: list[int]) -> int:
         """Least loaded by the engines' last report plus what was sent since."""
-        return min(self.engine_ids,
-                   key=lambda i: self._inflight[i] * 4 + self._stats[i].num_waiting_reqs)
+        return min(serving, key=lambda i: self._inflight[i] * 4 + self._stats[i].num_waiting_reqs)
+
+    def _dispatch_held(self) -> None:
+        """Submit every waiting sequence to an engine that serves, if any does."""
+        serving = self._serving()
+        if not serving or not self._held:
+            return
+        held, self._held = self._held, []
+        for seq in held:
+            self._submit(seq, self._pick_engine(serving))
 
     def _release_stream(self, stream: _Stream) -> None:
         """Drop every trace of a client request; abort its sequences still in an engine."""
@@ -329,46 +359,51 @@ class AsyncEngineClient:
 
     async def _status_loop(self) -> None:
         while True:
-            kind, msg = decode(await self.status_socket.recv_multipart())
-            if kind != MsgKind.PEER:
-                continue
-            assert isinstance(msg, PeerMessage)
-            if msg.kind == "fatal":
+            _, msg = decode(await self.status_socket.recv_multipart())
+            if isinstance(msg, GroupFatal):
                 self._on_fatal(msg.info or "recovery failed")
-            elif msg.kind == "status":
+            elif isinstance(msg, GroupStatus):
                 self._on_status(msg)
 
-    def _on_status(self, msg: PeerMessage) -> None:
-        was_ready = self.is_ready()
-        self._statuses = list(msg.statuses)
+    def _on_status(self, msg: GroupStatus) -> None:
+        was_serving = set(self._serving())
+        for status in msg.statuses:
+            if status.engine_id in self._statuses:
+                self._statuses[status.engine_id] = status
         if self.on_status is not None:
-            self.on_status(self._statuses)
-        if was_ready and not self.is_ready():
-            logger.warning("engines unhealthy: %s",
-                           "; ".join(s.fault_info or "" for s in msg.statuses if s.fault_info))
-            if self.config.fault_tolerance.ft_inflight == "abort":
-                for seq in list(self._open.values()):
-                    self._finish_seq(seq, FinishReason.ABORT, "aborted: an engine faulted "
-                                     "(--ft-inflight abort)")
-        if self.is_ready() and (msg.epoch != self.epoch or self._held):
-            self._resume(msg.epoch)
+            self.on_status(list(self._statuses.values()))
+        serving = set(self._serving())
+        for engine_id in self.engine_ids:
+            status = self._statuses[engine_id]
+            stopped = engine_id in was_serving and engine_id not in serving
+            moved_on = engine_id in serving and status.epoch != self._epochs[engine_id]
+            if stopped or moved_on:
+                self._take_back(engine_id, status)
+            if engine_id in serving:
+                self._epochs[engine_id] = status.epoch
+        self._dispatch_held()
 
-    def _resume(self, epoch: int) -> None:
-        """The group is healthy at ``epoch``: resubmit what was in flight, then what waited."""
-        resubmit = [s for s in self._open.values() if s not in self._held]
-        if epoch != self.epoch:
-            logger.warning("group healthy at epoch %d: resuming %d in-flight sequence(s)",
-                           epoch, len(resubmit))
-            self.epoch = epoch
-            for seq in resubmit:
-                self._detach(seq)
-            for engine_id in self.engine_ids:
-                self._stats[engine_id] = SchedulerStats()
+    def _take_back(self, engine_id: int, status: EngineStatus) -> None:
+        """Engine ``engine_id`` stopped serving (or restarted): its sequences wait for, or move
+        at once to, an engine that serves; their engine-side state is gone."""
+        seqs = [s for s in self._open.values() if s.engine_id == engine_id and s not in self._held
+                and s.engine_request_id in self._by_engine_id]
+        self._stats[engine_id] = SchedulerStats()
+        if status.state != EngineState.HEALTHY:
+            logger.warning("engine %d stopped serving (%s): %d sequence(s) %s", engine_id,
+                           status.fault_info or status.state.name.lower(), len(seqs),
+                           "move to another engine" if self._serving() else "wait")
         else:
-            resubmit = []
-        held, self._held = self._held, []
-        for seq in resubmit + held:
-            self._submit(seq, self._pick_engine())
+            logger.warning("engine %d serves again at epoch %d: resuming %d sequence(s)",
+                           engine_id, status.epoch, len(seqs))
+        abort = self.config.fault_tolerance.ft_inflight == "abort"
+        for seq in seqs:
+            self._detach(seq)
+            if abort:
+                self._finish_seq(seq, FinishReason.ABORT,
+                                 "aborted: an engine faulted (--ft-inflight abort)")
+            else:
+                self._held.append(seq)
 
     def _on_fatal(self, reason: str) -> None:
         logger.critical("the engine group is dead: %s", reason)
@@ -380,9 +415,9 @@ class AsyncEngineClient:
         while True:
             await asyncio.sleep(0.25)
             now = time.time()
-            for seq in list(self._open.values()):
+            for seq in list(self._held):
                 deadline = seq.request.deadline
-                if deadline is not None and deadline < now and not self.is_ready():
+                if deadline is not None and deadline < now:
                     self._finish_seq(seq, FinishReason.TIMEOUT,
                                      "the request's deadline passed while the engines were "
                                      "recovering")
@@ -390,34 +425,43 @@ class AsyncEngineClient:
     def apply(self, instruction: str, params: dict) -> str:
         """``POST /fault_tolerance/apply``: one call recovers the whole group."""
         request_id = f"ft-{uuid.uuid4().hex[:16]}"
-        msg = PeerMessage("apply", self.engine_ids[0], instruction=instruction,
-                          params=dict(params), request_id=request_id)
-        self.cmd_sockets[self.engine_ids[0]].send_multipart(encode(msg))
+        # A coupled group's coordinator hears it through any sentinel; dense engines are each
+        # their own group.
+        for engine_id in self.engine_ids[:1] if self.is_coupled else self.engine_ids:
+            msg = ApplyRequest(engine_id, request_id, Instruction[instruction.upper()])
+            self.cmd_sockets[engine_id].send_multipart(encode(msg))
         return request_id
 
     def status(self) -> list[dict]:
         return [msgspec.structs.asdict(s) | {"state": s.state.name.lower(),
+                                             "fault_kind": s.fault_kind.label,
                                              "num_requests": self._num_submitted.get(s.engine_id)}
-                for s in self._statuses]
+                for s in self._statuses.values()]
 
     def inject(self, kind: str, engine: int) -> None:
         if engine not in self.cmd_sockets:
             raise ValueError(f"engine {engine} is not served by this process; it serves "
                              f"{self.engine_ids}")
-        self.cmd_sockets[engine].send_multipart(encode(PeerMessage("inject", engine, info=kind)))
+        self.cmd_sockets[engine].send_multipart(
+            encode(InjectRequest(engine, FaultInjection[kind.upper()])))
 
     # ------------------------------------------------------------------------------- status
 
     def is_ready(self) -> bool:
-        return self.fatal is None and all(s.state == EngineState.HEALTHY for s in self._statuses)
+        """Serving: some engine takes requests (dense DP: the others may be recovering, a
+        degraded state that ``/fault_tolerance/status`` and the metrics show), and none is
+        still starting."""
+        return bool(self._serving()) and all(s.state != EngineState.STARTING
+                                             for s in self._statuses.values())
 
     def is_progressing(self) -> bool:
-        """Healthy, starting or recovering: anything but sitting faulted."""
-        return all(s.state in (EngineState.HEALTHY, EngineState.STARTING, EngineState.RECOVERING)
-                   for s in self._statuses)
+        """Serving, starting or recovering: anything but sitting faulted."""
+        return self.is_ready() or all(
+            s.state in (EngineState.HEALTHY, EngineState.STARTING, EngineState.RECOVERING)
+            for s in self._statuses.values())
 
     def engine_statuses(self) -> list[EngineStatus]:
-        return list(self._statuses)
+        return list(self._statuses.values())
 
     def scheduler_stats(self) -> list[SchedulerStats]:
         return list(self._stats.values())

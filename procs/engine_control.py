@@ -13,12 +13,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import zmq
 
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import ControlReply, ControlRequest
+from bastion.ipc.control import EngineFault, EngineReply, Heartbeat
+from bastion.ipc.messages import FailureKind
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,9 @@ class EngineHealth:
 
     RUNNING, PAUSED, FAULTED = "running", "paused", "faulted"
 
-    def __init__(self) -> None:
+    def __init__(self, epoch: int = 0) -> None:
         self.state = self.PAUSED
-        self.epoch = 0
+        self.epoch = epoch
         self.num_steps = 0
         self.busy_since: float | None = None
         self.fault_info: str | None = None
@@ -67,25 +68,40 @@ class EngineHealth:
 
 class ControlThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, address: str, health: EngineHealth,
-                 loop_inputs: queue.Queue) -> None:
+                 loop_inputs: queue.Queue, incarnation: int,
+                 dead_worker: Callable[[], str | None] = lambda: None) -> None:
+        """``dead_worker``: a message naming a worker process that is gone, else None; asked
+        on every heartbeat, so a worker's death is reported even while the loop is idle."""
         super().__init__(daemon=True, name="engine-control")
+        self.dead_worker = dead_worker
+        self._reported_dead_worker = False
         self.ctx = ctx
         self.address = address
         self.health = health
         self.loop_inputs = loop_inputs
-        self.outbox: queue.Queue[ControlReply] = queue.Queue()
+        self.incarnation = incarnation
+        self.outbox: queue.Queue[EngineReply | EngineFault] = queue.Queue()
 
-    def report_fault(self, info: str) -> None:
-        self.outbox.put(ControlReply(-1, ok=False, faulted=True, fault_info=info,
-                                     epoch=self.health.epoch))
+    def _check_workers(self) -> None:
+        if self._reported_dead_worker:
+            return
+        message = self.dead_worker()
+        if message is not None:
+            self._reported_dead_worker = True
+            self.report_fault(FailureKind.PROCESS_EXIT, message)
 
-    def reply(self, seq: int, ok: bool, error: str | None = None) -> None:
-        self.outbox.put(self._status(seq, ok, error))
+    def report_fault(self, kind: FailureKind, info: str) -> None:
+        self.outbox.put(EngineFault(self.incarnation, self.health.epoch, kind, info))
 
-    def _status(self, seq: int, ok: bool = True, error: str | None = None) -> ControlReply:
+    def reply(self, seq: int, ok: bool, error: str | None = None,
+              kind: FailureKind = FailureKind.NONE) -> None:
+        self.outbox.put(self._status(seq, ok, error, kind))
+
+    def _status(self, seq: int, ok: bool = True, error: str | None = None,
+                kind: FailureKind = FailureKind.NONE) -> EngineReply:
         h = self.health
-        return ControlReply(seq, ok, error, h.num_steps, h.busy_for(),
-                            h.state == EngineHealth.FAULTED, h.fault_info, h.epoch)
+        return EngineReply(seq, self.incarnation, ok, error, kind, h.num_steps, h.busy_for(),
+                           h.epoch, h.is_running)
 
     def run(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -100,8 +116,8 @@ class ControlThread(threading.Thread):
             kind, msg = decode(sock.recv_multipart())
             if kind != MsgKind.CONTROL:
                 continue
-            assert isinstance(msg, ControlRequest)
-            if msg.command == "heartbeat":
+            if isinstance(msg, Heartbeat):
                 sock.send_multipart(encode(self._status(msg.seq)))
+                self._check_workers()
             else:
                 self.loop_inputs.put((MsgKind.CONTROL, msg))

@@ -15,10 +15,11 @@ import zmq
 from bastion.core.config import EngineConfig
 from bastion.core.loader import resolve_model
 from bastion.ipc.codec import MsgKind, decode, encode, shutdown_frames
+from bastion.ipc.control import HandshakeInfo, WorkerLaunch
 from bastion.ipc.messages import (
     Failure,
+    FailureKind,
     GrammarBitmask,
-    HandshakeInfo,
     ModelRunnerOutput,
     SchedulerOutput,
     WorkerCall,
@@ -31,21 +32,26 @@ from bastion.procs.distributed import (
     spans_engines,
     worker_group_port,
 )
-from bastion.procs.lifecycle import Child, HandshakeServer, encode_config, ipc_address, spawn_child
+from bastion.procs.faults import WorkerFailure
+from bastion.procs.lifecycle import (
+    Child,
+    HandshakeServer,
+    Spares,
+    encode_config,
+    ipc_address,
+    spawn_child,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerFailure(RuntimeError):
-    """A worker died, failed a step or stopped answering."""
 
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, runtime_dir: str, engine_id: int,
                  startup_timeout_s: float = 300.0, epoch: int = 0,
-                 defer_groups: bool = False) -> None:
+                 defer_groups: bool = False, spares: Spares | None = None) -> None:
         """``defer_groups``: a restarted engine's workers load their shards without joining
-        the cross-engine groups, which they join at the group's next ``recover``."""
+        the cross-engine groups, which they join at the group's next ``recover``.
+        ``spares``: warm worker spares (one per rank) to promote instead of starting anew."""
         self.config = config
         self.epoch = epoch
         self.engine_id = engine_id
@@ -66,24 +72,31 @@ class MultiprocExecutor:
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(addr)
             self.inboxes.append(sock)
-            infos[rank] = HandshakeInfo(encode_config(config),
-                                        {"execute": addr, "worker_out": out_addr,
-                                         "runtime_dir": runtime_dir, "dist_host": dist_host,
-                                         "dist_port": str(dist_port), "dp_rank": str(engine_id),
-                                         "dp_size": str(config.parallel.data_parallel_size),
-                                         "epoch": str(epoch),
-                                         "defer_groups": "1" if defer_groups else "0"}, rank)
-        handshake = HandshakeServer(self.ctx, ipc_address(runtime_dir, f"{prefix}-workers-hs"))
-        self.workers: list[Child] = [
-            spawn_child("worker", rank, f"bastion::worker-{engine_id}-{rank}", handshake.address)
-            for rank in range(self.num_workers)]
+            infos[rank] = HandshakeInfo(encode_config(config), WorkerLaunch(
+                addr, out_addr, runtime_dir, dist_host, dist_port, engine_id,
+                config.parallel.data_parallel_size, epoch, defer_groups), rank)
+        if spares is not None and spares.is_alive() and len(spares.children) == self.num_workers:
+            self.workers: list[Child] = spares.children
+            run = spares.promote
+            logger.info("engine %d: promoting %d warm worker spare(s)", engine_id,
+                        self.num_workers)
+        else:
+            if spares is not None:
+                spares.kill()
+            handshake = HandshakeServer(self.ctx, ipc_address(runtime_dir, f"{prefix}-workers-hs"))
+            self.workers = [spawn_child("worker", rank, f"bastion::worker-{engine_id}-{rank}",
+                                        handshake.address) for rank in range(self.num_workers)]
+
+            def run(infos: dict, timeout_s: float) -> dict:
+                try:
+                    return handshake.run(self.workers, infos, timeout_s)
+                finally:
+                    handshake.close()
         try:
-            handshake.run(self.workers, infos, startup_timeout_s)
+            self.ready = run(infos, startup_timeout_s)
         except Exception:
             self.shutdown()
             raise
-        finally:
-            handshake.close()
 
     # -------------------------------------------------------------------------- plumbing
 
@@ -98,13 +111,22 @@ class MultiprocExecutor:
             self.check_workers()
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerFailure(f"no answer from the workers of engine {self.engine_id} "
-                                    f"within {timeout_s:.0f} s")
+                                    f"within {timeout_s:.0f} s", FailureKind.HANG)
         return decode(self.outbox.recv_multipart())
+
+    def dead_worker(self) -> str | None:
+        """A message naming a worker process that exited, else None (any thread may ask)."""
+        for worker in self.workers:
+            code = worker.proc.poll()
+            if code is not None:
+                return f"{worker.title} exited with code {code}"
+        return None
 
     def check_workers(self) -> None:
         for worker in self.workers:
             if not worker.is_alive():
-                raise WorkerFailure(f"{worker.title} exited with code {worker.proc.returncode}")
+                raise WorkerFailure(f"{worker.title} exited with code {worker.proc.returncode}",
+                                    FailureKind.PROCESS_EXIT)
 
     def call(self, method: str, *args: object, timeout_s: float | None = 600.0) -> list[object]:
         """Run ``method`` on every worker; results by rank."""
@@ -136,7 +158,7 @@ class MultiprocExecutor:
         return min(info["available_bytes"] for info in self._kv_info)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.call("init_kv", num_blocks)
+        self.kv_timings = self.call("init_kv", num_blocks)
 
     def execute_model_async(self, sched: SchedulerOutput) -> _PendingStep:
         """Send the step to every worker; its tokens are read when ``output()`` is called,
@@ -152,7 +174,8 @@ class MultiprocExecutor:
             kind, msg = self._recv(timeout_s=None)
             if kind == MsgKind.FAILURE:
                 assert isinstance(msg, Failure)
-                raise WorkerFailure(f"worker {self.engine_id}-{msg.rank} failed:\n{msg.message}")
+                raise WorkerFailure(f"worker {self.engine_id}-{msg.rank} failed:\n{msg.message}",
+                                    msg.kind)
             # Older steps' outputs (abandoned by a fault) arrive first and are skipped.
             if kind == MsgKind.RUNNER_OUTPUT and msg.step_id == step_id:
                 return msg

@@ -20,7 +20,8 @@ import zmq
 
 from bastion.core.config import ConfigError
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import Failure, HandshakeInfo, Hello, Ready
+from bastion.ipc.control import HandshakeInfo
+from bastion.ipc.messages import Failure, Hello, Ready
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,62 @@ class Child:
 
 
 def spawn_child(role: str, rank: int, title: str, handshake_address: str,
-                env: dict[str, str] | None = None) -> Child:
-    """Start ``python -m bastion.procs.child``; it says HELLO on ``handshake_address``."""
+                env: dict[str, str] | None = None, spare: SpareSettings | None = None) -> Child:
+    """Start ``python -m bastion.procs.child``; it says HELLO on ``handshake_address``
+    (``spare``: once it has imported its role's modules, then it waits for HANDSHAKE)."""
     cmd = [sys.executable, "-m", "bastion.procs.child", role, str(rank), title,
            handshake_address, str(os.getpid())]
+    if spare is not None:
+        cmd.append(msgspec.json.encode(spare).decode())
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
     return Child(role, rank, title, proc)
+
+
+class SpareSettings(msgspec.Struct, omit_defaults=True):
+    """What a warm spare needs before it knows its launch (the child's last argument)."""
+
+    title: str  # the title it takes once promoted
+    device: str = "cpu"
+    num_workers: int = 0  # an engine spare starts this many worker spares of its own
+    runtime_dir: str = ""
+    engine_id: int = 0
+    tp_size: int = 1
+    # The config it will most likely be launched with: the spare resolves its model ahead
+    # (the file's digest, the converted cache, the HF config); the launch's config rules.
+    config_json: str = ""
+
+
+class Spares:
+    """Children started ahead of need: past interpreter start, imports (and, on a GPU, device
+    initialisation), each waiting for its HANDSHAKE on one shared address. ``promote`` hands
+    every one its launch at once (the ranks of a group must start together) and waits for
+    READY; until then they cost memory, no CPU.
+
+    NOTE: spawn (and so create) them on a thread that lives as long as they must: a child's
+    parent-death signal fires when the thread that forked it exits."""
+
+    def __init__(self, ctx: zmq.Context, address: str, role: str,
+                 settings: dict[int, SpareSettings]) -> None:
+        self.server = HandshakeServer(ctx, address)
+        self.children = [spawn_child(role, rank, f"bastion::spare-{s.title.split('::')[-1]}",
+                                     address, spare=s) for rank, s in settings.items()]
+        self.started_at = time.monotonic()
+
+    def is_alive(self) -> bool:
+        return all(c.is_alive() for c in self.children)
+
+    def promote(self, infos: dict[int, HandshakeInfo], timeout_s: float) -> dict[int, Ready]:
+        try:
+            return self.server.run(self.children, infos, timeout_s)
+        finally:
+            self.server.close()
+
+    def kill(self) -> None:
+        for child in self.children:
+            if child.is_alive():
+                child.proc.kill()
+                child.proc.wait()
+        self.server.close()
 
 
 class HandshakeServer:
@@ -159,17 +210,19 @@ class HandshakeServer:
         return ready
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        if not self.socket.closed:
+            self.socket.close(linger=0)
 
 
 def child_handshake(ctx: zmq.Context, address: str, role: str, rank: int,
-                    timeout_s: float = 60.0) -> tuple[zmq.Socket, HandshakeInfo]:
-    """The child's side: say HELLO, receive what to run and where."""
+                    timeout_s: float | None = 60.0) -> tuple[zmq.Socket, HandshakeInfo]:
+    """The child's side: say HELLO, receive what to run and where (a spare: whenever it is
+    promoted, ``timeout_s=None``)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(address)
     sock.send_multipart(encode(Hello(role, rank, os.getpid())))
-    if not sock.poll(timeout_s * 1000):
+    if not sock.poll(None if timeout_s is None else timeout_s * 1000):
         raise StartupError(f"{role}-{rank}: no handshake reply from the parent")
     kind, msg = decode(sock.recv_multipart())
     assert kind == MsgKind.HANDSHAKE and isinstance(msg, HandshakeInfo)

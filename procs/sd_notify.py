@@ -85,7 +85,11 @@ class Notifier:
         message = "\n".join(assignments).encode()
         try:
             if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # NOTE: non-blocking: a unix datagram queue holds 10 messages by default
+                # (net.unix.max_dgram_qlen), and a reader that stops reading (a stalled
+                # systemd, a test) would otherwise block the event loop inside sendto.
+                self._sock = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
             self._sock.sendto(message, self.address)
             return True
         except OSError as e:

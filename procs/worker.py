@@ -23,7 +23,8 @@ import zmq
 from bastion.core.config import EngineConfig, cpu_threads_per_worker
 from bastion.core.model_runner import ModelRunner, StepHandle
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import Failure, HandshakeInfo, Ready, WorkerCall, WorkerReply
+from bastion.ipc.control import HandshakeInfo, WorkerLaunch
+from bastion.ipc.messages import Failure, Ready, WorkerCall, WorkerReply
 from bastion.ops.communicator import (
     GroupCoordinator,
     detach_model_parallel,
@@ -38,6 +39,7 @@ from bastion.procs.distributed import (
     recovery_rendezvous_timeout_s,
     spans_engines,
 )
+from bastion.procs.faults import InjectedFault, failure_kind
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +139,13 @@ class Worker:
         return {"bytes_per_block": self.runner.kv_cache_bytes_per_block(),
                 "available_bytes": 0 if fixed else self.runner.available_kv_cache_bytes()}
 
-    def init_kv(self, num_blocks: int) -> None:
+    def init_kv(self, num_blocks: int) -> dict[str, int]:
+        """Allocate the KV cache (and capture graphs); milliseconds of each, for the logs."""
+        start = time.perf_counter()
         self.runner.initialize_kv_cache(num_blocks)
+        total_ms = int((time.perf_counter() - start) * 1000)
+        graphs_ms = int(self.runner.graph_capture_s * 1000)
+        return {"kv_cache_ms": total_ms - graphs_ms, "graphs_ms": graphs_ms}
 
     def reset(self) -> None:
         self.runner.reset()
@@ -150,7 +157,7 @@ class Worker:
         if kind == "hang":
             while True:
                 time.sleep(3600)
-        raise RuntimeError(f"injected fault in worker {self.rank}")
+        raise InjectedFault(f"injected fault in worker {self.rank}")
 
     def handle_call(self, call: WorkerCall) -> WorkerReply:
         if call.method not in _CALLS:
@@ -165,20 +172,23 @@ class Worker:
 
 def run_worker(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
                ctx: zmq.Context) -> None:
-    addresses = info.addresses
-    worker = Worker(config, info.rank, int(addresses.get("dp_rank", "0")))
-    if worker.is_distributed and addresses.get("defer_groups") == "1":
+    launch = info.launch
+    assert isinstance(launch, WorkerLaunch)
+    worker = Worker(config, info.rank, launch.dp_rank)
+    if worker.is_distributed and launch.defer_groups:
         worker.reserve_ranks()
     elif worker.is_distributed:
-        worker.init_distributed(addresses["dist_host"], int(addresses["dist_port"]),
-                                int(addresses.get("epoch", "0")))
+        worker.init_distributed(launch.dist_host, launch.dist_port, launch.epoch)
+    start = time.perf_counter()
     worker.runner.load_model()
+    load_ms = int((time.perf_counter() - start) * 1000)
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(addresses["execute"])
+    inbox.connect(launch.execute)
     outbox = ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 1000)
-    outbox.connect(addresses["worker_out"])
-    handshake.send_multipart(encode(Ready("worker", info.rank, os.getpid())))
+    outbox.connect(launch.worker_out)
+    handshake.send_multipart(encode(Ready("worker", info.rank, os.getpid(),
+                                          {"load_ms": load_ms})))
     try:
         _serve(worker, inbox, outbox)
     finally:
@@ -203,9 +213,10 @@ def _serve(worker: Worker, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                     handle = worker.runner.sample_tokens(msg)
                 else:
                     handle = worker.runner.execute_model_async(msg)
-            except Exception:
+            except Exception as exc:
                 logger.exception("worker %d: step failed", worker.rank)
-                sender.put(encode(Failure("worker", worker.rank, traceback.format_exc())))
+                sender.put(encode(Failure("worker", worker.rank, traceback.format_exc(),
+                                          kind=failure_kind(exc))))
                 continue
             if worker.rank == 0 and handle is not None and not handle.is_deferred:
                 sender.put(handle)
@@ -240,7 +251,8 @@ class _Sender(threading.Thread):
             if isinstance(item, StepHandle):
                 try:
                     item = encode(item.output())
-                except Exception:
+                except Exception as exc:
                     logger.exception("worker %d: step failed", self.rank)
-                    item = encode(Failure("worker", self.rank, traceback.format_exc()))
+                    item = encode(Failure("worker", self.rank, traceback.format_exc(),
+                                          kind=failure_kind(exc)))
             self.outbox.send_multipart(item)

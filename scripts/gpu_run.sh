@@ -106,25 +106,26 @@ run_serve() {
   return $rc
 }
 # A DP=2 expert-parallel server on two GPUs (NCCL), then the fault drill against rank 1.
+# FT_DP_ARGS / FT_ENGINE change the shape: FT_DP_ARGS=" " FT_ENGINE=0 is DP=1 on one GPU.
 run_ftdrill() {
   local port=8012 slog=$STAGE_LOGS/ft_server.log
-  $PY -m bastion.procs.cli serve ${FT_MODEL_ARGS:-} --port $port --data-parallel-size 2 \
-    --enable-expert-parallel --enable-fault-injection --ft-hang-timeout-s 10 \
-    --max-model-len 1024 --data-parallel-rpc-port 29700 >"$slog" 2>&1 &
+  $PY -m bastion.procs.cli serve ${FT_MODEL_ARGS:-} --port $port \
+    ${FT_DP_ARGS:---data-parallel-size 2 --enable-expert-parallel} --enable-fault-injection \
+    --ft-hang-timeout-s 10 --max-model-len 1024 --data-parallel-rpc-port 29700 >"$slog" 2>&1 &
   local pid=$!
   trap 'cp "$slog" "$OUT/ft_server.log"' EXIT
   wait_healthy $port $pid 360 || { tail -n 60 "$slog"; return 1; }
   echo "server healthy after $SECONDS s"
-  $PY scripts/ft_drill.py --base-url "http://127.0.0.1:$port" --engine 1 --num-requests 16 \
-    --max-tokens 128 --kinds raise worker_exit hang kill_worker kill_engine
+  $PY scripts/ft_drill.py --base-url "http://127.0.0.1:$port" --engine ${FT_ENGINE:-1} \
+    --num-requests 16 --max-tokens 128 --kinds raise worker_exit hang kill_worker kill_engine
   local rc=$?
   kill -TERM $pid 2>/dev/null
   wait $pid
-  grep -E "coordinator|fault detected" "$slog" | tail -n 12
+  grep -E "coordinator|fault detected|warm spare" "$slog" | tail -n 60
   return $rc
 }
 export -f wait_healthy run_serve run_ftdrill
-export PY OUT STAGE_LOGS SERVE_MODEL_ARGS FT_MODEL_ARGS
+export PY OUT STAGE_LOGS SERVE_MODEL_ARGS FT_MODEL_ARGS FT_DP_ARGS FT_ENGINE
 
 STAGES=${*:-tests offline floor latency kernels hf serve}
 nvidia-smi -L 2>&1 | tee -a "$LOG"

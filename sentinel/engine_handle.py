@@ -1,71 +1,237 @@
-"""A sentinel's handle on its engine process: start it, watch it, command it, restart it."""
+"""A sentinel's handle on its engine process: start it, watch it, command it, restart it.
+
+Nothing here blocks the sentinel's loop but the first start: a restart runs its spawn and
+handshake on a thread (``begin_start`` / ``start_finished``), and a command is sent and its
+reply collected later (``send`` / ``result``), re-sent until it is answered.
+
+NOTE: every start is a new *incarnation*; the engine's replies carry it, and a reply of an
+older incarnation (still queued when it was killed) is dropped. Taking the old engine's
+socket identity for the new one's sent orders into the void: the 120 s hang of issue #24.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import subprocess
+import threading
 import time
+from dataclasses import dataclass
 
 import zmq
 
 from bastion.core.config import EngineConfig
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import ControlReply, ControlRequest, HandshakeInfo
-from bastion.procs.lifecycle import Child, HandshakeServer, encode_config, ipc_address, spawn_child
+from bastion.ipc.control import (
+    EngineCommand,
+    EngineFault,
+    EngineLaunch,
+    EngineReply,
+    HandshakeInfo,
+    Heartbeat,
+    SentinelLaunch,
+    ShutdownEngine,
+)
+from bastion.ipc.messages import FailureKind
+from bastion.procs.lifecycle import (
+    Child,
+    HandshakeServer,
+    Spares,
+    SpareSettings,
+    encode_config,
+    ipc_address,
+    spawn_child,
+)
 
 logger = logging.getLogger(__name__)
+
+RESEND_S = 1.0
+_SPARE_RETRY_S = 5.0
+# An idle spare engine and its worker spares hold torch and bastion imported (measured on CPU:
+# about 0.3 GiB each process, docs/FAULTS.md); leave room for the serving processes too.
+_SPARE_MIN_HOST_BYTES = 2 * 2**30
+
+
+def host_memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class _Sent:
+    command: EngineCommand
+    sent_at: float
 
 
 class EngineHandle:
     """Owns the engine child process and the sentinel end of its control channel."""
 
-    def __init__(self, ctx: zmq.Context, config: EngineConfig, engine_id: int,
-                 api_addresses: dict[str, str], runtime_dir: str) -> None:
+    def __init__(
+        self, ctx: zmq.Context, config: EngineConfig, engine_id: int, launch: SentinelLaunch
+    ) -> None:
         self.ctx = ctx
         self.config = config
         self.engine_id = engine_id
-        self.api_addresses = api_addresses
-        self.runtime_dir = runtime_dir
-        self.control_address = ipc_address(runtime_dir, f"engine{engine_id}-control")
+        self.launch = launch
+        self.runtime_dir = launch.runtime_dir
+        self.control_address = ipc_address(self.runtime_dir, f"engine{engine_id}-control")
         self.control = ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.bind(self.control_address)
         self.peer_identity: bytes | None = None
         self.child: Child | None = None
+        self.incarnation = 0
+        self.epoch = 0  # the epoch the engine runs at (or was started for)
         self._seq = itertools.count(1)
-        self.last_reply: ControlReply | None = None
+        self.last_reply: EngineReply | None = None
         self.last_reply_time = 0.0
-        self.pending_faults: list[str] = []
+        self.faults: list[EngineFault] = []
         self.num_blocks: int | None = None  # measured at the first start, reused on restarts
+        self._sent: dict[int, _Sent] = {}
+        self._results: dict[int, EngineReply] = {}
+        self._starter: threading.Thread | None = None
+        self.is_up = False  # started, READY and announced (until the next start)
+        self.spare: Spares | None = None  # a warm spare engine (with its worker spares)
+        self.num_spares_started = 0
+        self._last_spare_start = -1e9
+        self.promoted = False  # the last start promoted a spare
+        self._no_memory = False
+        self._start_error: BaseException | None = None
+        self.start_phases: dict[str, float] = {}
 
     # ------------------------------------------------------------------------ lifecycle
 
     def start(self, epoch: int, start_paused: bool, timeout_s: float) -> None:
-        """Spawn the engine (it spawns its workers) and wait for READY."""
-        handshake = HandshakeServer(self.ctx, ipc_address(
-            self.runtime_dir, f"engine{self.engine_id}-hs-{epoch}-{time.monotonic_ns()}"))
-        addresses = {**self.api_addresses, "control": self.control_address,
-                     "runtime_dir": self.runtime_dir, "epoch": str(epoch),
-                     "start_paused": "1" if start_paused else "0",
-                     "num_blocks": str(self.num_blocks or "")}
-        info = HandshakeInfo(encode_config(self.config), addresses, self.engine_id)
-        self.child = spawn_child("engine", self.engine_id, f"bastion::engine-{self.engine_id}",
-                                 handshake.address)
-        self.peer_identity = None
-        try:
-            ready = handshake.run([self.child], {self.engine_id: info}, timeout_s)
-        finally:
-            handshake.close()
-        self.num_blocks = self.num_blocks or ready[self.engine_id].info.get("num_blocks")
-        self._await_identity(5.0)
-        self.last_reply_time = time.monotonic()
-
-    def _await_identity(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.peer_identity is None and time.monotonic() < deadline:
+        """Spawn the engine (it spawns its workers), wait for READY and its control channel."""
+        self.begin_start(epoch, start_paused, timeout_s)
+        self._starter.join()
+        deadline = time.monotonic() + 5.0
+        while not self.start_finished():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {self.engine_id} did not open its control channel")
             self.poll(0.05)
-        if self.peer_identity is None:
-            raise RuntimeError(f"engine {self.engine_id} did not open its control channel")
+
+    def begin_start(self, epoch: int, start_paused: bool, timeout_s: float) -> None:
+        """Start a new incarnation; ``start_finished`` says when it is up.
+
+        NOTE: the process is spawned here, on the loop's thread, and only its handshake runs
+        on a helper thread: a child's parent-death signal fires when the *thread* that forked
+        it exits, so a child spawned by the helper would be killed as soon as it was ready."""
+        self.incarnation += 1
+        self.epoch = epoch
+        self.peer_identity = None
+        self.is_up = False
+        self._sent.clear()
+        self._results.clear()
+        self._start_error = None
+        self.start_phases = {}
+        launch = EngineLaunch(
+            self.launch.input,
+            self.launch.output,
+            self.control_address,
+            self.runtime_dir,
+            epoch,
+            start_paused,
+            self.num_blocks,
+            self.incarnation,
+        )
+        t0 = time.perf_counter()
+        info = HandshakeInfo(encode_config(self.config), launch, self.engine_id)
+        spare, self.spare = self.spare, None
+        self.promoted = spare is not None and spare.is_alive()
+        if self.promoted:
+            self.child = spare.children[0]
+            run = spare.promote
+        else:
+            if spare is not None:
+                spare.kill()
+            handshake = HandshakeServer(self.ctx, ipc_address(
+                self.runtime_dir, f"engine{self.engine_id}-hs-{launch.incarnation}"))
+            self.child = spawn_child("engine", self.engine_id,
+                                     f"bastion::engine-{self.engine_id}", handshake.address)
+
+            def run(infos: dict, timeout_s: float) -> dict:
+                try:
+                    return handshake.run([self.child], infos, timeout_s)
+                finally:
+                    handshake.close()
+        self._starter = threading.Thread(target=self._run_handshake,
+                                         args=(run, info, timeout_s, t0), daemon=True,
+                                         name="engine-start")
+        self._starter.start()
+
+    def _run_handshake(self, run, info: HandshakeInfo, timeout_s: float, t0: float) -> None:
+        try:
+            ready = run({self.engine_id: info}, timeout_s)
+            timings = ready[self.engine_id].info
+            self.num_blocks = self.num_blocks or timings.get("num_blocks")
+            total = time.perf_counter() - t0
+            phases = {
+                name: timings.get(f"{name}_ms", 0) / 1000 for name in ("load", "kv_cache", "graphs")
+            }
+            self.start_phases = {
+                "spawn_or_promote": max(0.0, total - sum(phases.values())),
+                **phases,
+            }
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which reports it
+            self._start_error = exc
+
+    def keep_spare(self) -> None:
+        """Keep a warm spare while the engine is up: start one when there is none, replace one
+        that died (serving is not touched). At most one start per ``_SPARE_RETRY_S``."""
+        if self.config.fault_tolerance.ft_warm_spares < 1 or not self.is_up or self._no_memory:
+            return
+        if self.spare is not None and self.spare.is_alive():
+            return
+        now = time.monotonic()
+        if now - self._last_spare_start < _SPARE_RETRY_S:
+            return
+        if self.spare is not None:
+            codes = [c.proc.poll() for c in self.spare.children]
+            logger.warning("sentinel %d: the warm spare exited (code %s); starting another",
+                           self.engine_id, codes[0])
+            self.spare.kill()
+        available = host_memory_available()
+        if available is not None and available < _SPARE_MIN_HOST_BYTES:
+            logger.warning("sentinel %d: no warm spare: %.1f GiB of host memory available, a "
+                           "spare needs %.1f GiB", self.engine_id, available / 2**30,
+                           _SPARE_MIN_HOST_BYTES / 2**30)
+            self._no_memory = True
+            return
+        self._last_spare_start = now
+        self.num_spares_started += 1
+        tp = self.config.parallel.tensor_parallel_size
+        settings = SpareSettings(f"bastion::engine-{self.engine_id}", self.config.model.device,
+                                 tp, self.runtime_dir, self.engine_id, tp,
+                                 encode_config(self.config).decode())
+        self.spare = Spares(self.ctx, ipc_address(
+            self.runtime_dir, f"engine{self.engine_id}-spare-{self.num_spares_started}"),
+            "engine", {self.engine_id: settings})
+
+    @property
+    def is_starting(self) -> bool:
+        return self._starter is not None and self._starter.is_alive()
+
+    def start_finished(self) -> bool:
+        """True once the started engine is READY and has announced itself; raises what the
+        start failed with."""
+        if self.is_starting:
+            return False
+        if self._start_error is not None:
+            error, self._start_error = self._start_error, None
+            raise error
+        if self.peer_identity is None and self.is_alive():
+            return False
+        if not self.is_up:
+            self.is_up = True
+            self.last_reply_time = time.monotonic()
+        return True
 
     def is_alive(self) -> bool:
         return self.child is not None and self.child.is_alive()
@@ -81,82 +247,98 @@ class EngineHandle:
         time.sleep(0.2)  # let the workers' parent-death signal land before ports are reused
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.spare is not None:
+            self.spare.kill()
+        if self._starter is not None:
+            self._starter.join(timeout_s)
         if self.child is None:
             return
         if self.child.is_alive() and self.peer_identity is not None:
-            self._send(ControlRequest(next(self._seq), "shutdown"))
+            self.send(ShutdownEngine(0), track=False)
         try:
             self.child.proc.wait(timeout_s)
-        except Exception:
+        except subprocess.TimeoutExpired:
             self.child.kill(timeout=2.0)
 
     # --------------------------------------------------------------------------- control
 
-    def _send(self, req: ControlRequest) -> None:
-        if self.peer_identity is None:
-            raise RuntimeError(f"engine {self.engine_id} has no control channel")
-        self.control.send_multipart([self.peer_identity, *encode(req)])
+    def send(self, command: EngineCommand, track: bool = True) -> int:
+        """Send ``command`` under a new ``seq`` (returned); a tracked command is re-sent
+        until answered and its reply kept for ``result``."""
+        command.seq = next(self._seq)
+        if track:
+            self._sent[command.seq] = _Sent(command, time.monotonic())
+        self._transmit(command)
+        return command.seq
 
-    def poll(self, timeout_s: float) -> list[ControlReply]:
-        """Receive whatever the engine said; unsolicited fault reports are queued."""
-        replies = []
+    def _transmit(self, command: EngineCommand) -> None:
+        if self.peer_identity is not None:
+            self.control.send_multipart([self.peer_identity, *encode(command)])
+
+    def result(self, seq: int) -> EngineReply | None:
+        """The reply to ``send``'s ``seq``, once it arrived (then forgotten)."""
+        return self._results.pop(seq, None)
+
+    def resend(self, now: float) -> None:
+        for sent in self._sent.values():
+            if now - sent.sent_at >= RESEND_S:
+                sent.sent_at = now
+                self._transmit(sent.command)
+
+    def poll(self, timeout_s: float) -> None:
+        """Receive whatever the engine said: replies, its announcement, fault reports."""
         if not self.control.poll(timeout_s * 1000):
-            return replies
+            return
         while self.control.poll(0):
             identity, *frames = self.control.recv_multipart()
             kind, msg = decode(frames)
-            if kind != MsgKind.CONTROL_REPLY:
+            if kind != MsgKind.CONTROL_REPLY or msg.incarnation != self.incarnation:
+                continue  # a message of an engine that was replaced
+            if isinstance(msg, EngineFault):
+                self.faults.append(msg)
                 continue
-            assert isinstance(msg, ControlReply)
             self.peer_identity = identity
             self.last_reply, self.last_reply_time = msg, time.monotonic()
-            if msg.seq == -1 and msg.fault_info:
-                self.pending_faults.append(msg.fault_info)
-            replies.append(msg)
-        return replies
-
-    def command(self, command: str, timeout_s: float, **args: object) -> ControlReply:
-        """Send a command and wait for its reply; raises ``TimeoutError`` or ``RuntimeError``."""
-        seq = next(self._seq)
-        self._send(ControlRequest(seq, command, dict(args)))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.is_alive():
-                raise RuntimeError(f"engine {self.engine_id} exited with code "
-                                   f"{self.exit_code()} during {command}")
-            for reply in self.poll(0.05):
-                if reply.seq == seq:
-                    if not reply.ok:
-                        raise RuntimeError(f"engine {self.engine_id}: {command}: {reply.error}")
-                    return reply
-        raise TimeoutError(f"engine {self.engine_id} did not answer {command} "
-                           f"within {timeout_s:.0f} s")
+            self.epoch = msg.epoch
+            if self._sent.pop(msg.seq, None) is not None:
+                self._results[msg.seq] = msg
 
     def heartbeat(self) -> None:
         if self.peer_identity is not None and self.is_alive():
-            self._send(ControlRequest(next(self._seq), "heartbeat"))
+            self._transmit(Heartbeat(next(self._seq)))
 
     def busy_for(self) -> float:
         """How long the engine has been inside one step, by its last heartbeat."""
         reply = self.last_reply
         if reply is None:
             return 0.0
-        return reply.busy_for_s + (time.monotonic() - self.last_reply_time
-                                   if reply.busy_for_s > 0 else 0.0)
+        return reply.busy_for_s + (
+            time.monotonic() - self.last_reply_time if reply.busy_for_s > 0 else 0.0
+        )
 
-    def check(self, hang_timeout_s: float) -> str | None:
-        """A fault, if one is visible: a dead process, a report, or a hang."""
+    def check(self, hang_timeout_s: float) -> tuple[FailureKind, str] | None:
+        """A fault, if one is visible: a dead process, a report, or a hang. Nothing while a
+        start is in progress (its order reports how it ends)."""
+        if not self.is_up:
+            return None
         if self.child is not None and not self.child.is_alive():
-            return f"engine {self.engine_id} process exited with code {self.exit_code()}"
-        if self.pending_faults:
-            return self.pending_faults.pop(0)
+            return (
+                FailureKind.PROCESS_EXIT,
+                f"engine {self.engine_id} process exited with code {self.exit_code()}",
+            )
+        if self.faults:
+            fault = self.faults.pop(0)
+            return fault.kind, fault.info
         now = time.monotonic()
         if now - self.last_reply_time > hang_timeout_s:
-            return f"engine {self.engine_id} stopped answering heartbeats (hang)"
+            return FailureKind.HANG, f"engine {self.engine_id} stopped answering heartbeats (hang)"
         reply = self.last_reply
         if reply is not None and reply.busy_for_s > hang_timeout_s:
-            return (f"engine {self.engine_id} made no progress for {reply.busy_for_s:.1f} s "
-                    "(hang: a step or collective is stuck)")
+            return FailureKind.HANG, (
+                f"engine {self.engine_id} made no progress for "
+                f"{reply.busy_for_s:.1f} s (hang: a step or collective "
+                "is stuck)"
+            )
         return None
 
     def close(self) -> None:

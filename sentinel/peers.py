@@ -1,30 +1,36 @@
 """The sentinels' own network: rank 0 (the coordinator) binds, the others connect.
 
 tcp:// on the data-parallel address, since in external load-balancer mode the sentinels live
-under different ``bastion serve`` processes, possibly on different nodes.
+under different ``bastion serve`` processes, possibly on different nodes. A message to this
+sentinel's own rank goes through a local queue, so rank 0 hears the coordinator (and the
+coordinator hears rank 0) exactly as every other rank does.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
 import zmq
 
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import PeerMessage
+from bastion.ipc.control import PeerMessage
 
 logger = logging.getLogger(__name__)
 
 
 class PeerLink:
     def __init__(self, ctx: zmq.Context, rank: int, host: str, port: int, size: int) -> None:
+        """``size``: the sentinels of this recovery group; 1 (a dense engine, or DP=1) makes
+        this sentinel its own coordinator, with no socket at all (no port to collide on)."""
         self.rank = rank
-        self.is_coordinator = rank == 0
+        self.is_coordinator = rank == 0 or size == 1
         self.identities: dict[int, bytes] = {}
+        self.loopback: collections.deque[PeerMessage] = collections.deque()
         self.socket = None
         if size == 1:
-            return  # a group of one has no peers: bind nothing (no port to collide on)
+            return
         if self.is_coordinator:
             self.socket = ctx.socket(zmq.ROUTER)
             self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -36,11 +42,17 @@ class PeerLink:
         self.socket.setsockopt(zmq.LINGER, 0)
 
     def to_coordinator(self, msg: PeerMessage) -> None:
-        assert not self.is_coordinator
-        self.socket.send_multipart(encode(msg))
+        if self.is_coordinator:
+            self.loopback.append(msg)
+        else:
+            self.socket.send_multipart(encode(msg))
 
     def to_peer(self, rank: int, msg: PeerMessage) -> bool:
-        """Coordinator only; False when that peer has not said hello (or is gone)."""
+        """Coordinator only; False when that peer has not said hello (or is gone): the
+        coordinator re-sends what matters."""
+        if rank == self.rank:
+            self.loopback.append(msg)
+            return True
         identity = self.identities.get(rank)
         if identity is None:
             return False
@@ -51,7 +63,10 @@ class PeerLink:
             return False
 
     def receive(self, timeout_s: float) -> list[PeerMessage]:
-        out = []
+        out = list(self.loopback)
+        self.loopback.clear()
+        if out:
+            timeout_s = 0.0
         if self.socket is None:
             time.sleep(timeout_s)
             return out
@@ -64,9 +79,9 @@ class PeerLink:
             kind, msg = decode(frames)
             if kind != MsgKind.PEER:
                 continue
-            assert isinstance(msg, PeerMessage)
-            if self.is_coordinator:
-                self.identities[msg.sender] = identity
+            sender = getattr(msg, "sender", None)
+            if self.is_coordinator and sender is not None:
+                self.identities[sender] = identity
             out.append(msg)
         return out
 

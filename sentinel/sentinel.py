@@ -1,9 +1,11 @@
 """Sentinel process (``bastion::sentinel-N``): one per engine; the engine's parent.
 
-It watches its engine (process exit, fault reports, heartbeats that stop or show a stuck
-step), tells the coordinator (sentinel 0) about faults, carries out the coordinator's pause
-and recover orders on its own engine (restarting it when reinit calls for it), and forwards
-the group's status to its API process.
+One loop, never blocked past a poll: it watches its engine (process exit, fault reports,
+heartbeats that stop or show a stuck step) and reports faults to the coordinator, carries out
+the coordinator's orders on its own engine (``OrderRunner``), forwards the group's status to
+its API process and, on sentinel 0, feeds the coordinator's state machine (every message and a
+tick per turn) and delivers the orders it returns. Rank 0 talks to its coordinator through the
+same messages as every other rank.
 """
 
 from __future__ import annotations
@@ -16,39 +18,64 @@ import zmq
 
 from bastion.core.config import EngineConfig
 from bastion.ipc.codec import MsgKind, decode, encode
-from bastion.ipc.messages import EngineState, HandshakeInfo, PeerMessage, Ready
-from bastion.sentinel.coordinator import Coordinator
+from bastion.ipc.control import (
+    ApplyRequest,
+    FaultReport,
+    GroupFatal,
+    GroupStatus,
+    HandshakeInfo,
+    InjectFault,
+    InjectRequest,
+    OrderDone,
+    PauseOrder,
+    PeerHello,
+    PeerMessage,
+    RecoverOrder,
+    SentinelLaunch,
+)
+from bastion.ipc.messages import Ready
+from bastion.sentinel.coordinator import Coordinator, Tick
 from bastion.sentinel.engine_handle import EngineHandle
+from bastion.sentinel.orders import OrderRunner
 from bastion.sentinel.peers import PeerLink
 
 logger = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 0.25
-_STUCK_S = 2.0
+_TURN_S = 0.02
 
 
 class Sentinel:
     def __init__(self, config: EngineConfig, info: HandshakeInfo, ctx: zmq.Context) -> None:
+        launch = info.launch
+        assert isinstance(launch, SentinelLaunch)
         self.config = config
         self.ft = config.fault_tolerance
         self.rank = info.rank
         self.ctx = ctx
-        addrs = info.addresses
-        self.engine = EngineHandle(ctx, config, self.rank,
-                                   {"input": addrs["input"], "output": addrs["output"]},
-                                   addrs["runtime_dir"])
+        self.engine = EngineHandle(ctx, config, self.rank, launch)
         self.api_status = ctx.socket(zmq.PUSH)
         self.api_status.setsockopt(zmq.LINGER, 1000)
-        self.api_status.connect(addrs["status"])
+        self.api_status.connect(launch.status)
         self.api_cmd = ctx.socket(zmq.PULL)
-        self.api_cmd.bind(addrs["cmd"])
+        self.api_cmd.bind(launch.cmd)
         par = config.parallel
-        self.peers = PeerLink(ctx, self.rank, par.data_parallel_address, par.data_parallel_rpc_port,
-                              par.data_parallel_size)
-        self.coordinator = Coordinator(self) if self.rank == 0 else None
-        self.fault_reported = False
+        # NOTE: only an expert-parallel group steps in lockstep and so pauses and recovers as
+        # one (sentinel 0 coordinates it); dense DP engines share nothing, and each sentinel
+        # coordinates its own engine alone, so a fault in one never pauses another.
+        ranks = list(range(par.data_parallel_size)) if par.is_dp_coupled else [self.rank]
+        self.peers = PeerLink(
+            ctx, self.rank, par.data_parallel_address, par.data_parallel_rpc_port, len(ranks)
+        )
+        self.coordinator = Coordinator(self.ft, ranks) if self.rank == ranks[0] else None
+        self.orders = OrderRunner(self.rank, self.engine, self.ft)
+        self.reported: tuple[int, int] | None = None  # (incarnation, epoch) of the last report
         self.running = True
         self._last_heartbeat = 0.0
+        self.poller = zmq.Poller()
+        for sock in (self.engine.control, self.api_cmd, self.peers.socket):
+            if sock is not None:
+                self.poller.register(sock, zmq.POLLIN)
 
     # ------------------------------------------------------------------------- start-up
 
@@ -57,31 +84,27 @@ class Sentinel:
         # The first start loads the model from scratch; the API's own --startup-timeout bounds it.
         self.engine.start(epoch=0, start_paused=False, timeout_s=3600.0)
         handshake.send_multipart(encode(Ready("sentinel", self.rank, os.getpid())))
-        if self.coordinator is None:
-            self.peers.to_coordinator(PeerMessage("hello", self.rank))
-        logger.info("sentinel %d: engine %d started in %.1f s", self.rank, self.rank,
-                    time.perf_counter() - t0)
+        self.peers.to_coordinator(PeerHello(self.rank))
+        logger.info(
+            "sentinel %d: engine %d started in %.1f s",
+            self.rank,
+            self.rank,
+            time.perf_counter() - t0,
+        )
 
     # ------------------------------------------------------------------------- main loop
 
     def run(self) -> None:
         while self.running:
-            self.pump(0.05)
-            now = time.monotonic()
-            if now - self._last_heartbeat >= _HEARTBEAT_S:
-                self._last_heartbeat = now
-                self.engine.heartbeat()
-            if not self.fault_reported:
-                fault = self.engine.check(self.ft.ft_hang_timeout_s)
-                if fault is not None:
-                    self.report_fault(fault)
-            if self.coordinator is not None:
-                self.coordinator.tick()
+            self.turn(_TURN_S)
 
-    def pump(self, timeout_s: float) -> None:
-        """Serve every channel once: engine replies, peer messages, API commands."""
+    def turn(self, timeout_s: float) -> None:
+        """One turn: serve every channel, watch the engine, advance orders and the timer."""
+        if self.peers.loopback:
+            timeout_s = 0.0
+        self.poller.poll(timeout_s * 1000)
         self.engine.poll(0)
-        for msg in self.peers.receive(timeout_s):
+        for msg in self.peers.receive(0):
             self.on_peer(msg)
         while self.api_cmd.poll(0):
             kind, msg = decode(self.api_cmd.recv_multipart())
@@ -89,82 +112,52 @@ class Sentinel:
                 self.on_api(msg)
             elif kind == MsgKind.SHUTDOWN:
                 self.running = False
-
-    def report_fault(self, info: str) -> None:
-        logger.error("sentinel %d: fault detected: %s", self.rank, info)
-        self.fault_reported = True
-        msg = PeerMessage("fault", self.rank, info=info)
+        now = time.monotonic()
+        if now - self._last_heartbeat >= _HEARTBEAT_S:
+            self._last_heartbeat = now
+            self.engine.heartbeat()
+        self._watch()
+        self.engine.resend(now)
+        if self.orders.job is None:
+            self.engine.keep_spare()
+        for done in self.orders.tick(now):
+            self.peers.to_coordinator(done)
         if self.coordinator is not None:
-            self.coordinator.on_message(msg)
-        else:
-            self.peers.to_coordinator(msg)
+            self._carry_out(self.coordinator.on_event(Tick(), now))
+
+    def _watch(self) -> None:
+        """Report a fault of the engine once per incarnation and epoch."""
+        fault = self.engine.check(self.ft.ft_hang_timeout_s)
+        key = (self.engine.incarnation, self.engine.epoch)
+        if fault is None or key == self.reported:
+            return
+        self.reported = key
+        kind, info = fault
+        logger.error("sentinel %d: fault detected: %s", self.rank, info)
+        self.peers.to_coordinator(FaultReport(self.rank, self.engine.epoch, kind, info))
+
+    def _carry_out(self, orders) -> None:
+        for rank, msg in orders:
+            self.peers.to_peer(rank, msg)
 
     # ------------------------------------------------------------------------- messages
 
     def on_peer(self, msg: PeerMessage) -> None:
-        if self.coordinator is not None:
-            self.coordinator.on_message(msg)
-        elif msg.kind == "pause":
-            ok, info = self.prepare_local(msg.instruction or "retry", msg.epoch)
-            self.peers.to_coordinator(PeerMessage("paused", self.rank, msg.epoch, info, ok=ok))
-        elif msg.kind == "recover":
-            ok, info = self.recover_local(msg.epoch)
-            self.peers.to_coordinator(PeerMessage("recovered", self.rank, msg.epoch, info,
-                                                  ok=ok))
-        elif msg.kind in ("status", "fatal"):
-            self.publish(msg)
+        if isinstance(msg, (PeerHello, FaultReport, OrderDone, ApplyRequest)):
+            if self.coordinator is not None:
+                self._carry_out(self.coordinator.on_event(msg, time.monotonic()))
+        elif isinstance(msg, (PauseOrder, RecoverOrder)):
+            for done in self.orders.on_order(msg, time.monotonic()):
+                self.peers.to_coordinator(done)
+        elif isinstance(msg, (GroupStatus, GroupFatal)):
+            self.api_status.send_multipart(encode(msg))
 
     def on_api(self, msg: PeerMessage) -> None:
-        if msg.kind == "inject":
-            try:
-                self.engine.command("inject", 10.0, kind=msg.info)
-            except Exception as exc:
-                logger.error("sentinel %d: inject failed: %s", self.rank, exc)
-        elif msg.kind == "apply":
+        if isinstance(msg, InjectRequest):
+            self.engine.send(InjectFault(0, msg.kind), track=False)
+        elif isinstance(msg, ApplyRequest):
             msg.sender = self.rank
-            if self.coordinator is not None:
-                self.coordinator.on_message(msg)
-            else:
-                self.peers.to_coordinator(msg)
-
-    def publish(self, msg: PeerMessage) -> None:
-        """Forward the group's status to this sentinel's API process."""
-        if msg.kind == "status" and all(s.state == EngineState.HEALTHY for s in msg.statuses):
-            self.fault_reported = False
-            self.engine.pending_faults.clear()
-        self.api_status.send_multipart(encode(msg))
-
-    # ---------------------------------------------------------------- orders on own engine
-
-    def prepare_local(self, instruction: str, epoch: int) -> tuple[bool, str | None]:
-        """Pause the engine; for reinit, restart it if it is dead, hung or cannot pause."""
-        try:
-            # NOTE: an engine already stuck in one step for seconds (a hang, or a collective
-            # waiting on a dead peer) cannot obey a pause; under reinit, restart it at once.
-            stuck = self.engine.busy_for() >= _STUCK_S
-            if self.engine.is_alive() and not (stuck and instruction == "reinit"):
-                try:
-                    self.engine.command("pause", min(10.0, self.ft.ft_hang_timeout_s))
-                    return True, None
-                except Exception as exc:
-                    if instruction != "reinit":
-                        return False, str(exc)
-                    logger.warning("sentinel %d: pause failed (%s); restarting", self.rank, exc)
-            elif instruction != "reinit":
-                return False, (f"engine {self.rank} process is dead (exit code "
-                               f"{self.engine.exit_code()}); reinit is needed")
-            self.engine.kill()
-            self.engine.start(epoch, start_paused=True, timeout_s=self.ft.ft_recovery_timeout_s)
-            return True, "restarted"
-        except Exception as exc:
-            return False, f"{type(exc).__name__}: {exc}"
-
-    def recover_local(self, epoch: int) -> tuple[bool, str | None]:
-        try:
-            self.engine.command("recover", self.ft.ft_recovery_timeout_s, epoch=epoch)
-            return True, None
-        except Exception as exc:
-            return False, f"{type(exc).__name__}: {exc}"
+            self.peers.to_coordinator(msg)
 
     def close(self) -> None:
         self.engine.stop()
@@ -174,8 +167,9 @@ class Sentinel:
         self.api_status.close()
 
 
-def run_sentinel(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
-                 ctx: zmq.Context) -> None:
+def run_sentinel(
+    config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket, ctx: zmq.Context
+) -> None:
     sentinel = Sentinel(config, info, ctx)
     try:
         sentinel.start(handshake)

@@ -23,8 +23,10 @@ import urllib.request
 from pathlib import Path
 
 # Small enough to start fast on a 2-core CPU; the KV budget is 256 MiB (364 blocks of 16).
+# NOTE: no warm spare: a spare engine and worker spare cost ~10 s of CPU each to warm up, which
+# every end-to-end test would pay on a 2-core host; the fault-tolerance tests turn them on.
 SMALL_SERVER_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
-                     "--kv-cache-memory-bytes", "268435456")
+                     "--kv-cache-memory-bytes", "268435456", "--ft-warm-spares", "0")
 
 
 # Port plans of DP servers (base .. base + 134, procs/distributed.py), below Linux's ephemeral

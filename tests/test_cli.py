@@ -219,7 +219,8 @@ def test_a_childs_config_error_reaches_the_parent_as_a_user_error(tmp_path, is_u
     import zmq
 
     from bastion.ipc.codec import encode
-    from bastion.ipc.messages import Failure, HandshakeInfo
+    from bastion.ipc.control import HandshakeInfo
+    from bastion.ipc.messages import Failure
     from bastion.procs.lifecycle import Child, HandshakeServer, StartupError, child_handshake
 
     ctx = zmq.Context()
@@ -246,7 +247,7 @@ def test_a_childs_config_error_reaches_the_parent_as_a_user_error(tmp_path, is_u
         message = ("max_model_len 8192 needs more" if is_user_error
                    else "bastion::engine-0 failed to start: max_model_len 8192 needs more")
         with pytest.raises(expected) as info:
-            server.run([child], {0: HandshakeInfo(b"{}", {})}, timeout_s=10)
+            server.run([child], {0: HandshakeInfo(b"{}")}, timeout_s=10)
         assert str(info.value) == message
         thread.join()
     finally:

@@ -244,7 +244,9 @@ def test_no_kv_block_leaks_and_fault_series_after_faults(auto_server):
     assert metrics["bastion:engine_recovery_seconds_count"] >= 5
     code, body = auto_server.get("/metrics")
     text = body.decode()
-    for kind in ("injected", "process_exit", "hang"):
+    # NOTE: an injected hang of engine 1 is seen first by engine 0, whose collective with it
+    # times out (--distributed-timeout-s 8) before engine 1's heartbeat bound (10 s) passes.
+    for kind in ("injected", "process_exit", "collective"):
         assert f'bastion:engine_faults_total{{kind="{kind}"' in text, kind
     assert 'bastion:engine_recoveries_total{action="auto-reinit"' in text
     # Every request that lived through a fault (resubmitted at the new epoch) left the API
