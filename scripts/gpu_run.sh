@@ -205,6 +205,9 @@ for s in $STAGES; do
     lora) stage lora 420 'passed|failed|tok/s|ms|x base|Error|error' -- bash -c \
       "$PY -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py && \
        $PY scripts/bench_lora.py --device cuda --profile" ;;
+    structured) stage structured 300 'batch|overhead|^ *[0-9]|Error|error' -- \
+      $PY scripts/bench_structured.py --device cuda --model $QWEN --load-format dummy \
+      --dtype bfloat16 ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac
