@@ -41,13 +41,15 @@ SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
     "required": ["id", "name", "tags"], "additionalProperties": False}}
 
 
-def stand_in_vocabulary(vocab_size: int):  # -> xgrammar.TokenizerInfo
+def stand_in_vocabulary(vocab_size: int, tokenizer: str | None = None):
+    """-> xgrammar.TokenizerInfo: the tokens of ``tokenizer`` (a folder with a tokenizer; the
+    embedded model's by default), then seeded pairs of them up to ``vocab_size``."""
     import xgrammar as xgr
 
     from bastion.core.config import ModelConfig
     from bastion.core.loader import load_tokenizer, resolve_model
 
-    model = ModelConfig()
+    model = ModelConfig(model=tokenizer)
     base = xgr.TokenizerInfo.from_huggingface(load_tokenizer(model, resolve_model(model)))
     vocab = list(base.decoded_vocab)
     pieces = vocab[256:]  # past the byte tokens
@@ -106,6 +108,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder with a tokenizer for the stand-in vocabulary of a dummy model "
+                        "(default: the embedded model's)")
     args = p.parse_args()
     dummy = args.load_format == "dummy"
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
@@ -113,7 +118,7 @@ def main() -> None:
               skip_tokenizer_init=dummy)
     if dummy:
         vocab_size = llm.engine.executor.runner.vocab_size
-        llm.engine.structured_output.use_tokenizer(stand_in_vocabulary(vocab_size))
+        llm.engine.structured_output.use_tokenizer(stand_in_vocabulary(vocab_size, args.tokenizer))
         llm.eos_token_id = vocab_size - 1
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))

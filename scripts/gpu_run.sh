@@ -207,7 +207,7 @@ for s in $STAGES; do
        $PY scripts/bench_lora.py --device cuda --profile" ;;
     structured) stage structured 300 'batch|overhead|^ *[0-9]|Error|error' -- \
       $PY scripts/bench_structured.py --device cuda --model $QWEN --load-format dummy \
-      --dtype bfloat16 ;;
+      --dtype bfloat16 --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac
