@@ -18,19 +18,19 @@ import torch
 from bastion.ops._dispatch import triton_launcher, use_triton
 
 # Splitting K pays while the rows fill few tiles (decode, short prefill chunks): a split reads
-# at least 256 columns of x and A (no loops of one iteration), and the partials of a step stay
+# at least 1024 columns of x and A, and the partials of a step stay
 # within 8192 rows (1.5 MB at rank 48), so the scratch is small and in L2.
-_MAX_SPLIT_K = 32
-_MIN_SPLIT_COLUMNS = 256
+_MAX_SPLIT_K = 4
+_MIN_SPLIT_COLUMNS = 1024
 _MAX_SPLIT_ROWS = 8192
 _MAX_SPLIT_TOKENS = 2048  # 32 row tiles of 64: programs enough without a split
 
 
 def lora_split_k(num_tokens: int, hidden: int) -> int:
     """How many K splits the shrink of a ``[num_tokens, hidden]`` input uses (the leading dim
-    of ``h``): a decode batch (up to 256 rows) splits K of 4096 into 16 and of 14336 into 32,
-    so one short wave of programs shares the long reduction; larger batches split less, and
-    from 2048 rows not at all."""
+    of ``h``): into at most 4 (every expand program sums the partials it reads: 16-32 splits
+    cost more there than they saved in the shrink, measured on an H200), each of at least
+    1024 columns; from 2048 rows not at all."""
     if num_tokens >= _MAX_SPLIT_TOKENS:
         return 1
     by_rows = max(1, _MAX_SPLIT_ROWS // max(num_tokens, 1))

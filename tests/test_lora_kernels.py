@@ -118,8 +118,8 @@ def test_expand_sums_the_partials_in_order() -> None:
 
 def test_split_k_is_for_decode_and_fits_the_scratch() -> None:
     # Llama-3-8B: hidden 4096 (qkv, o, gate_up), 14336 (down).
-    assert lora_split_k(8, 4096) == 16 and lora_split_k(8, 14336) == 32
-    assert lora_split_k(256, 14336) == 32 and lora_split_k(1024, 14336) == 8
+    assert lora_split_k(8, 4096) == 4 and lora_split_k(8, 14336) == 4
+    assert lora_split_k(256, 14336) == 4 and lora_split_k(1024, 14336) == 4
     assert lora_split_k(2048, 14336) == 1 and lora_split_k(8, 200) == 1
     for max_tokens in (1, 100, 256, 1000, 8448):
         worst = max(lora_split_k(t, 14336) * t for t in range(1, max_tokens + 1))
