@@ -2,7 +2,7 @@
 response matches the document (its schema and content type for the status), which is generated
 from the request and response types of api/schemas.py.
 
-Bounded for the suite (``BASTION_FUZZ_SECONDS``, 60 s by default, split between the two runs);
+Bounded for the suite (``BASTION_FUZZ_SECONDS``, 30 s by default, split between the two runs);
 a longer run by hand: ``BASTION_FUZZ_SECONDS=600 pytest -s tests/test_fuzz.py``. The hooks
 (tests/fuzz_hooks.py) keep ``max_tokens`` small and count every response; the figures are
 printed.
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, free_port
 
-FUZZ_SECONDS = float(os.environ.get("BASTION_FUZZ_SECONDS", "60"))
+FUZZ_SECONDS = float(os.environ.get("BASTION_FUZZ_SECONDS", "30"))
 ADMIN_KEY = "fuzz-admin"
 TESTS_DIR = Path(__file__).parent
 

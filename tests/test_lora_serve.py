@@ -173,7 +173,8 @@ def test_bad_loads_are_400s_naming_the_problem(server, adapters, tmp_path) -> No
     status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "x"}, ADMIN_KEY)
     assert status == 400
     assert error_of(body) == {
-        "message": "Both 'lora_name' and 'lora_path' must be provided.",
+        # The typed body (api/schemas.py LoadLoRAAdapter) names the missing field.
+        "message": "Invalid request body: Object missing required field `lora_path`",
         "type": "BadRequestError",
         "param": "lora_path",
         "code": None,
