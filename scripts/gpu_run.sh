@@ -205,6 +205,10 @@ for s in $STAGES; do
     lora) stage lora 420 'passed|failed|tok/s|ms|x base|Error|error' -- bash -c \
       "$PY -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py && \
        $PY scripts/bench_lora.py --device cuda --profile" ;;
+    # .whl/qwen3tok (carried, ignored by git): a tokenizer folder for the stand-in vocabulary;
+    # made from the converted embedded model: copy tokenizer.json, tokenizer_config.json and
+    # chat_template.jinja from ~/.cache/bastion/gguf/SmolLM2-*/, and configs/qwen3-0.6b's
+    # config.json with vocab_size 49152, bos 1, eos 2 (the ftdrill stage serves it as a model).
     structured) stage structured 300 'batch|overhead|^ *[0-9]|Error|error' -- \
       $PY scripts/bench_structured.py --device cuda --model $QWEN --load-format dummy \
       --dtype bfloat16 --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ;;
