@@ -144,6 +144,21 @@ class ToolParser:
     def _end_of_text(self) -> None:
         raise NotImplementedError
 
+    def _scan_chars(self, delta: str) -> None:
+        """``_scan_text`` for parsers that read one character at a time (``_char``) until
+        their state says the rest is plain text (``_is_text``)."""
+        for i, char in enumerate(delta):
+            if self._is_text():
+                self._emit_content(delta[i:])
+                return
+            self._char(char)
+
+    def _is_text(self) -> bool:
+        raise NotImplementedError
+
+    def _char(self, char: str) -> None:
+        raise NotImplementedError
+
     def _emit_content(self, text: str) -> None:
         if text:
             self._pieces.append(Piece(content=text))

@@ -33,11 +33,10 @@ class Llama3JsonToolParser(ToolParser):
         self._buffer = ""
 
     def _scan_text(self, delta: str) -> None:
-        for i, char in enumerate(delta):
-            if self._mode is _Mode.TEXT:
-                self._emit_content(delta[i:])
-                return
-            self._char(char)
+        self._scan_chars(delta)
+
+    def _is_text(self) -> bool:
+        return self._mode is _Mode.TEXT
 
     def _char(self, char: str) -> None:
         if self._mode is _Mode.CALL:
