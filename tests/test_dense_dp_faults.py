@@ -6,16 +6,14 @@ engine 1 serves again once its sentinel has replaced it."""
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import threading
 import time
-import urllib.request
 
 import pytest
 from serve_fixture import ServerProcess
-from test_fault_tolerance import pid_of, status, wait_for
+from test_fault_tolerance import pid_of, status, stream_tokens, wait_for
 
 PROMPTS = ("Once upon a time", "The capital of France is")
 MAX_TOKENS = 40
@@ -27,34 +25,9 @@ MAX_MOVED_GAP_S = 4.0  # detection (the worker's death) + the move + a prefill o
 
 def stream(server: ServerProcess, prompt: str, out: dict, key: str) -> None:
     """Stream a greedy completion; record its text and the arrival time of each chunk."""
-    req = urllib.request.Request(
-        server.base_url + "/v1/completions",
-        json.dumps(
-            {
-                "model": "m",
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-        ).encode(),
-        {"Content-Type": "application/json"},
-    )
-    pieces, times = [], []
+    times: list[float] = []
     out[key + ":times"] = times
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                pieces.append(f"<error: {event['error']['message']}>")
-            elif event["choices"] and event["choices"][0]["text"]:
-                pieces.append(event["choices"][0]["text"])
-                times.append(time.monotonic())
-    out[key] = "".join(pieces)
+    stream_tokens(server, prompt, out, key, max_tokens=MAX_TOKENS, times=times)
 
 
 def max_gap(times: list[float]) -> float:

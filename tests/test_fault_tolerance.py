@@ -65,11 +65,13 @@ def post(server: ServerProcess, path: str, body: dict, timeout: float = 120.0
 
 
 def stream_tokens(server: ServerProcess, prompt: str, out: dict, key: object,
-                  started: threading.Event | None = None) -> None:
-    """Stream a greedy completion; record its token texts, or the error it ended with."""
+                  started: threading.Event | None = None, max_tokens: int = MAX_TOKENS,
+                  times: list[float] | None = None) -> None:
+    """Stream a greedy completion; record its token texts, or the error it ended with (and,
+    into ``times``, the arrival of each chunk that carries text)."""
     req = urllib.request.Request(
         server.base_url + "/v1/completions",
-        json.dumps({"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True}).encode(),
         {"Content-Type": "application/json"})
     pieces = []
@@ -83,6 +85,8 @@ def stream_tokens(server: ServerProcess, prompt: str, out: dict, key: object,
                 pieces.append(f"<error: {event['error']['message']}>")
             elif event["choices"]:
                 pieces.append(event["choices"][0]["text"])
+                if times is not None and pieces[-1]:
+                    times.append(time.monotonic())
                 if started is not None:
                     started.set()
     out[key] = "".join(pieces)
