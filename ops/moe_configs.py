@@ -3,7 +3,8 @@
 Tuned tables live in ``ops/moe_configs/`` as JSON, one file per (local experts E, intermediate
 size per rank N, hidden size K, GPU, dtype), written by ``scripts/tune_moe.py``; each maps a
 token count to one shared ``BLOCK_SIZE_M`` (the align step pads to it) and the tile of each
-product (``up``: gate/up with SiLU, ``down``). A count between tuned ones takes the nearest.
+product (``up``: gate/up with SiLU, ``down``), or to ``{"gemv": {"up": tile, "down": tile}}``:
+the matrix-vector kernels of ``ops/triton/fused_moe_gemv.py``, which need no align step. A count between tuned ones takes the nearest.
 Shapes without a table use ``default_moe_config``.
 """
 
@@ -38,8 +39,20 @@ def _load_table(name: str) -> dict[int, dict] | None:
 
 
 def default_moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """Tiles by the rows each expert gets on average: small blocks for decode, where every
-    program streams one expert's weights for a handful of rows; larger ones for prefill."""
+    """Tiles by the rows each expert gets on average: the matrix-vector kernels while the
+    pairs are few enough that two tokens seldom share an expert (a shared expert's weights
+    are read once per pair there), small blocks for decode, where every program streams one
+    expert's weights for a handful of rows; larger ones for prefill."""
+    if num_tokens * top_k * 4 <= num_experts:
+        return {"gemv": {"up": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 256, "num_warps": 4,
+                                "num_stages": 1},
+                         "down": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 256, "num_warps": 4,
+                                  "num_stages": 1}}}
+    return grouped_moe_config(num_tokens, top_k, num_experts)
+
+
+def grouped_moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+    """The grouped GEMM's default tiles (``default_moe_config`` without the GEMV case)."""
     rows = num_tokens * top_k / max(num_experts, 1)
     if rows <= 16:
         bm, up, down = 16, (64, 128, 1, 4, 4), (64, 128, 1, 4, 4)

@@ -141,6 +141,20 @@ def profile_decode(llm, batch: int) -> None:
                for _ in range(batch)]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16)
     llm.generate(prompts, params)
+
+    def wall(max_tokens: int) -> float:
+        llm.engine.scheduler.kv.pool.reset_prefix_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True,
+                                             max_tokens=max_tokens))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    first, whole = min(wall(1) for _ in range(3)), min(wall(16) for _ in range(3))
+    print(f"profile batch {batch}: wall {first * 1e3:.1f} ms for the prefill, "
+          f"{whole * 1e3:.1f} ms for 16 steps: {(whole - first) / 15 * 1e3:.2f} ms a decode "
+          f"step (best of 3)")
     llm.engine.scheduler.kv.pool.reset_prefix_cache()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params)

@@ -22,13 +22,15 @@
 # (two GPUs, one process each, every second prompt; dpwhole: each the whole workload), hf (a
 # slice of the workload through bastion and transformers' continuous batching, with the
 # ratio), latency (Llama-3.1-8B architecture, batch 8, 32 in / 128 out), moetune (the fused MoE
-# kernels' launch configs for Qwen3-30B-A3B, JSON to $OUT), moe (Qwen3-30B-A3B architecture:
-# offline throughput and batch-1/8 latency beside their floors), specbench (a speculative
-# verify step with k = 2, 4 against a decode step, Llama-3.1-8B architecture, batch 1/8/32),
-# speccheck (ngram and draft-model greedy tokens identical to plain decoding under the decode
-# and verify CUDA graphs, Qwen3-0.6B architecture, float32), lora (the LoRA kernels' tests
-# compiled, then scripts/bench_lora.py: Llama-3.1-8B architecture, 4 mixed rank-16 adapters
-# against the base model, batch-8 latency with one, and per-kernel decode time), serve
+# kernels' launch configs for Qwen3-30B-A3B, JSON to $OUT; $MOE_TUNE_ARGS e.g. "--tokens 1 2
+# --update --install"), moe (Qwen3-30B-A3B architecture: offline throughput and batch-1/8
+# latency beside their floors; $MOE_ARGS e.g. --latency, $MOE_PROFILE batch sizes to
+# profile), specbench (a speculative verify step with k = 2, 4 against a decode step,
+# Llama-3.1-8B architecture, batch 1/8/32), speccheck (ngram and draft-model greedy tokens
+# identical to plain decoding under the decode and verify CUDA graphs, Qwen3-0.6B
+# architecture, float32), lora (the LoRA kernels' tests compiled, then scripts/bench_lora.py:
+# Llama-3.1-8B architecture, 4 mixed rank-16 adapters against the base model, batch-8 latency
+# with one, and per-kernel decode time), serve
 # (bench_serve.py at rate inf and two finite rates, 1000 prompts of 1024 in / 128 out, against
 # the embedded model).
 #
@@ -175,9 +177,10 @@ for s in $STAGES; do
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf --torch-profile 1:12 \
       --profile-trace $OUT/prefill_trace.json && gzip -f $OUT/prefill_trace.json" ;;
     moetune) stage moetune 420 'copy|tokens|^ *[0-9]|wrote|Error' -- \
-      $PY scripts/tune_moe.py --model configs/qwen3-30b-a3b --out "$OUT" ;;
+      $PY scripts/tune_moe.py --model configs/qwen3-30b-a3b --out "$OUT" ${MOE_TUNE_ARGS:-} ;;
     moe) stage moe 400 'offline|latency|experts reached|profile|^  +[0-9]|Error|error' -- \
-      $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b --profile ${MOE_PROFILE:-} ;;
+      $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b --profile ${MOE_PROFILE:-} \
+      ${MOE_ARGS:-} ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
     hf) stage hf 120 'workload|bastion|HF|ratio|Error' -- \

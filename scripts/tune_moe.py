@@ -4,10 +4,13 @@ that ``bastion.ops.moe_configs`` reads (in the manner of vLLM's ``benchmark_moe.
 For each token count two routings are drawn: uniform (random router logits, top-k: a trained,
 load-balanced router) and hot (every token's k experts among the same 2k: a skewed router, or
 dummy weights). Every candidate ``BLOCK_SIZE_M`` is tried with a grid of tiles for each product
-(gate/up with SiLU, and down), each timed alone with CUDA events (median over ``--iters`` ms).
-Of the ``BLOCK_SIZE_M``s (shared: the align step pads to it) within 5 % of the uniform
-routing's best, the one fastest under the hot routing is kept, with the tiles the uniform
-routing preferred under it.
+(gate/up with SiLU, and down), each timed alone replayed from a CUDA graph (median over
+``--iters`` ms). Of the ``BLOCK_SIZE_M``s (shared: the align step pads to it) within 5 % of the
+uniform routing's best, the one fastest under the hot routing is kept, with the tiles the
+uniform routing preferred under it. Up to one pair per expert the matrix-vector kernels
+(``ops/triton/fused_moe_gemv.py``) are tuned too, and replace the grouped GEMM where the whole
+layer (align and sum included) is faster under uniform routing and at most 25 % slower under
+the hot one.
 Each line gives both routings' times beside their floors: the bytes of the experts the tokens
 reach (plus activations) over the copy bandwidth measured in the same run.
 
@@ -41,13 +44,24 @@ def candidates(block_m: int) -> list[dict[str, int]]:
     return [dict(zip(TILE_KEYS, c)) for c in grid]
 
 
+def gemv_candidates(up: bool) -> list[dict[str, int]]:
+    # The down kernel's tile holds all k experts: [k, BLOCK_N, BLOCK_K].
+    grid = (itertools.product([4, 8, 16], [128, 256, 512], [4, 8], [1, 2]) if up else
+            itertools.product([2, 4, 8, 16], [64, 128, 256], [4, 8], [1, 2]))
+    return [dict(zip(("BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages"), c))
+            for c in grid]
+
+
 def time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median milliseconds; infinity for a tile that does not fit the GPU (shared memory)."""
+    """Median milliseconds of device time, replayed from a CUDA graph as the engine runs it (a
+    plain loop of launches would time Python's launch overhead for the small token counts);
+    infinity for a tile that does not fit the GPU (shared memory)."""
     import triton.testing
     from triton.runtime.errors import OutOfResources
 
     try:
-        return triton.testing.do_bench(fn, warmup=5, rep=iters, return_mode="median")
+        fn()  # compile outside the capture
+        return triton.testing.do_bench_cudagraph(fn, rep=iters, return_mode="median")
     except OutOfResources:
         return float("inf")
 
@@ -96,7 +110,48 @@ class RoutingCase:
         return lambda: fused_moe_gemm_triton(self.act, self.w2, self.out, self.weights,
                                              *aligned, self.top_k, False, config)
 
+    def best_gemv(self, iters: int) -> tuple[float, dict]:
+        """(seconds, config) of the matrix-vector kernels, each product's tile tuned alone."""
+        up = min(gemv_candidates(True), key=lambda t: time_ms(self.gemv(t, True), iters))
+        down = min(gemv_candidates(False), key=lambda t: time_ms(self.gemv(t, False), iters))
+        config = {"gemv": {"up": up, "down": down}}
+        return self.time(config, iters), config
+
+    def whole(self, config: dict, iters: int) -> float:
+        """Seconds of the whole expert computation (align and sum included)."""
+        from bastion.ops.triton.fused_moe import fused_moe_triton
+
+        weights = self.weights.view(self.ids.shape)
+        return 1e-3 * time_ms(lambda: fused_moe_triton(self.x, self.w13, self.w2, weights,
+                                                       self.ids, config=config), iters)
+
+    def gemv(self, tile: dict, up: bool) -> Callable[[], object]:
+        from bastion.ops.triton import fused_moe_gemv as g
+
+        ids, weights = self.ids, self.weights.view(self.ids.shape)
+        num_local, two_n, hidden = self.w13.shape
+        inter, t = two_n // 2, self.x.shape[0]
+        bn, bk = tile["BLOCK_SIZE_N"], tile["BLOCK_SIZE_K"]
+        launch = {"TOP_K": self.top_k, "BLOCK_N": bn, "BLOCK_K": bk,
+                  "num_warps": tile["num_warps"], "num_stages": tile["num_stages"]}
+        if up:
+            grid = (t * self.top_k, -(-inter // bn))
+            return lambda: g._moe_gemv_up_kernel[grid](
+                self.x, self.w13, self.act, ids, 0, num_local, inter, hidden, self.x.stride(0),
+                self.w13.stride(0), self.w13.stride(1), self.act.stride(0), **launch)
+        out = self.out[:t]
+        grid = (t, -(-hidden // bn))
+        block_topk = 1 << (self.top_k - 1).bit_length()
+        return lambda: g._moe_gemv_down_kernel[grid](
+            self.act, self.w2, out, ids, weights, 0, num_local, hidden, inter,
+            self.act.stride(0), self.w2.stride(0), self.w2.stride(1), out.stride(0),
+            BLOCK_TOPK=block_topk, **launch)
+
     def time(self, config: dict, iters: int) -> float:
+        if "gemv" in config:
+            tiles = config["gemv"]
+            return 1e-3 * (time_ms(self.gemv(tiles["up"], True), iters)
+                           + time_ms(self.gemv(tiles["down"], False), iters))
         from bastion.ops.triton.moe_align import moe_align_triton
 
         block_m = config["BLOCK_SIZE_M"]
@@ -113,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="*", default=TOKEN_COUNTS)
     p.add_argument("--iters", type=int, default=10, help="milliseconds of repeats per candidate")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--update", action="store_true",
+                   help="start from the repository's table and replace only --tokens' entries")
+    p.add_argument("--install", action="store_true",
+                   help="also write the table into ops/moe_configs (where the engine reads it)")
     args = p.parse_args(argv)
     from transformers import AutoConfig
 
@@ -133,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
           f"top-{top_k}; {(w13[0].numel() + w2[0].numel()) * 2 / 1e6:.1f} MB per expert")
     print(f"{'tokens':>6} {'BM':>4} | {'uniform us':>10} {'best':>6} {'floor':>6} {'of floor':>8} "
           f"| {'hot us':>7} {'best':>6} {'floor':>6} | {'default uniform/hot us':>22}")
+    name = config_file_name(num_experts, inter, hidden, torch.cuda.get_device_name(), dtype)
+    repo_table = os.path.join(REPO, "ops", "moe_configs", name)
     table: dict[str, dict] = {}
+    if args.update and os.path.isfile(repo_table):
+        with open(repo_table) as f:
+            table = json.load(f)
     for m in args.tokens:
         uniform, hot = (RoutingCase(m, cfg.num_experts, w13, w2, top_k, h, bw)
                         for h in (False, True))
@@ -149,6 +213,20 @@ def main(argv: list[str] | None = None) -> int:
         block_m = min(near, key=lambda b: results[b][1][0])
         (t_u, up, down), _ = results[block_m]
         chosen = {"BLOCK_SIZE_M": block_m, "up": up, "down": down}
+        if m * top_k <= num_experts:
+            # NOTE: the matrix-vector kernels read an expert once per pair that chose it, so
+            # under the hot routing they can lose by the pairs per expert; they are taken
+            # when faster under uniform routing and at most 25 % slower under the hot one.
+            # The whole layer decides (the grouped path also runs the align and the sum), as
+            # replayed from a graph.
+            t_gemv, gemv = uniform.best_gemv(args.iters)
+            g_u, g_h = (case.whole(gemv, args.iters) for case in (uniform, hot))
+            m_u, m_h = (case.whole(chosen, args.iters) for case in (uniform, hot))
+            print(f"{m:>6} whole layer us, uniform / hot: gemv {g_u * 1e6:.1f} / "
+                  f"{g_h * 1e6:.1f}, grouped {m_u * 1e6:.1f} / {m_h * 1e6:.1f}; "
+                  f"gemv products {t_gemv * 1e6:.1f}: {gemv}", flush=True)
+            if g_u < m_u and g_h <= 1.25 * m_h:
+                chosen, t_u, best_u, block_m = gemv, t_gemv, min(best_u, t_gemv), 0
         table[str(m)] = chosen
         default = default_moe_config(m, top_k, num_experts)
         print(f"{m:>6} {block_m:>4} | {t_u * 1e6:>10.1f} {best_u * 1e6:>6.1f} "
@@ -156,12 +234,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{hot.time(chosen, args.iters) * 1e6:>7.1f} {best_h * 1e6:>6.1f} "
               f"{hot.floor_s * 1e6:>6.1f} | {uniform.time(default, args.iters) * 1e6:>10.1f}/"
               f"{hot.time(default, args.iters) * 1e6:<10.1f}", flush=True)
-    name = config_file_name(num_experts, inter, hidden, torch.cuda.get_device_name(), dtype)
+    table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
     os.makedirs(args.out, exist_ok=True)
     text = json.dumps(table, indent=1)
-    with open(os.path.join(args.out, name), "w") as f:
-        f.write(text + "\n")
-    print(f"wrote {os.path.join(args.out, name)}:\n{text}")
+    for path in [os.path.join(args.out, name)] + ([repo_table] if args.install else []):
+        with open(path, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {path}")
+    print(text)
     return 0
 
 

@@ -24,7 +24,7 @@ from bastion.ops.activation import silu_and_mul_ref
 from bastion.ops.attention import paged_attention_ref
 from bastion.ops.kv_store import store_kvcache_ref
 from bastion.ops.moe import fused_moe_ref, select_experts_ref
-from bastion.ops.moe_configs import default_moe_config
+from bastion.ops.moe_configs import grouped_moe_config
 from bastion.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from bastion.ops.rotary import apply_rotary_emb_ref
 
@@ -40,6 +40,7 @@ _KERNEL_MODULES = [
     "bastion.ops.triton.moe_routing",
     "bastion.ops.triton.moe_align",  # these two before fused_moe, which imports them
     "bastion.ops.triton.moe_sum",
+    "bastion.ops.triton.fused_moe_gemv",
     "bastion.ops.triton.fused_moe",
 ]
 
@@ -641,11 +642,54 @@ def test_fused_moe_matches_reference(num_experts: int, top_k: int, num_tokens: i
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
     weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen),
                                       top_k, True)
-    config = default_moe_config(num_tokens, top_k, num_experts)
+    config = grouped_moe_config(num_tokens, top_k, num_experts)
     config = {**config, "up": {**config["up"], "BLOCK_SIZE_K": 32},
               "down": {**config["down"], "BLOCK_SIZE_K": 32}}
     out = fused_moe_triton(x, w13, w2, weights, ids.int(), config=config)
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
+_GEMV_TILES = {"up": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4, "num_stages": 1},
+               "down": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 32, "num_warps": 4, "num_stages": 1}}
+
+
+@pytest.mark.parametrize("num_experts,top_k,num_tokens", [
+    (4, 1, 1), (8, 2, 1), (16, 8, 1), (8, 8, 3), (8, 2, 9)])
+def test_fused_moe_gemv_matches_reference(num_experts: int, top_k: int, num_tokens: int) -> None:
+    """The matrix-vector path: tiles that do not divide the sizes (masked columns and K),
+    one token, tokens sharing experts, and every expert chosen by some token (top-8 of 8)."""
+    gen = torch.Generator().manual_seed(num_experts * 10 + top_k + num_tokens)
+    hidden, inter = 72, 40
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen),
+                                      top_k, True)
+    out = fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows() -> None:
+    """As the grouped path: two ranks' halves sum to the whole, and a token with no expert on
+    a rank (or a padding row, id -1) gets exactly zero there, with no zero fill."""
+    gen = torch.Generator().manual_seed(12)
+    num_tokens, hidden, inter, num_experts = 4, 32, 24, 8
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen), 2,
+                                      True)
+    ids = ids.int()
+    ids[0] = torch.tensor([0, 1], dtype=torch.int32)  # only rank 0's experts
+    ids[-1] = -1  # a padding row
+    config = {"gemv": _GEMV_TILES}
+    low = fused_moe_triton(x, w13[:4], w2[:4], weights, ids, expert_offset=0, config=config)
+    high = fused_moe_triton(x, w13[4:], w2[4:], weights, ids, expert_offset=4, config=config)
+    assert torch.count_nonzero(high[0]) == 0
+    assert torch.count_nonzero(low[-1]) == 0 and torch.count_nonzero(high[-1]) == 0
+    torch.testing.assert_close(low + high, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
                                atol=1e-5)
 
 

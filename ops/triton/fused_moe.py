@@ -11,7 +11,8 @@ per-expert buffer. The same kernel runs both products of ``w2(silu(w1 x) * w3 x)
 - otherwise ``A`` rows are pairs; the weight is ``w2`` [E, N, K]; with ``MUL_ROUTED_WEIGHT``
   the tile is scaled by each pair's routing weight before it is written [pairs, N].
 
-Launch configurations come from ``bastion.ops.moe_configs`` (tuned JSON per shape and GPU).
+Launch configurations come from ``bastion.ops.moe_configs`` (tuned JSON per shape and GPU);
+a configuration holding ``gemv`` sends a few tokens to ``fused_moe_gemv.py`` instead.
 """
 
 from __future__ import annotations
@@ -160,6 +161,11 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     inter, top_k = two_n // 2, topk_ids.shape[1]
     if config is None:
         config = get_moe_config(num_local, inter, hidden_size, num_tokens, top_k, hidden.dtype)
+    if "gemv" in config:  # a few tokens: no sort, no padding, the top-k sum folded in
+        from bastion.ops.triton.fused_moe_gemv import fused_moe_gemv_triton
+
+        return fused_moe_gemv_triton(hidden, w13, w2, topk_weights, topk_ids, expert_offset,
+                                     config["gemv"])
     sorted_ids, block_experts, num_sorted = moe_align_triton(
         topk_ids.contiguous(), config["BLOCK_SIZE_M"], num_local, expert_offset)
     num_pairs = num_tokens * top_k
