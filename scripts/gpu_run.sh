@@ -25,7 +25,8 @@
 # kernels' launch configs for Qwen3-30B-A3B, JSON to $OUT; $MOE_TUNE_ARGS e.g. "--tokens 1 2
 # --update --install"), moe (Qwen3-30B-A3B architecture: offline throughput and batch-1/8
 # latency beside their floors; $MOE_ARGS e.g. --latency, $MOE_PROFILE batch sizes to
-# profile), specbench (a speculative verify step with k = 2, 4 against a decode step,
+# profile), gemvtune (the decode-rows matmul: cuBLAS against ops/triton/gemv.py's tiles for
+# the benchmarked models' linear shapes, beside the floor), specbench (a speculative verify step with k = 2, 4 against a decode step,
 # Llama-3.1-8B architecture, batch 1/8/32), speccheck (ngram and draft-model greedy tokens
 # identical to plain decoding under the decode and verify CUDA graphs, Qwen3-0.6B
 # architecture, float32), lora (the LoRA kernels' tests compiled, then scripts/bench_lora.py:
@@ -56,7 +57,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 mkdir -p /tmp/pkg
-[ -e /tmp/pkg/bastion ] || ln -s "$ROOT" /tmp/pkg/bastion
+ln -sfn "$ROOT" /tmp/pkg/bastion  # a warm machine may hold a link to an older copy
 export PYTHONPATH=/tmp/pkg:$ROOT:${PYTHONPATH:-}
 
 QWEN=configs/qwen3-0.6b
@@ -178,6 +179,8 @@ for s in $STAGES; do
       --profile-trace $OUT/prefill_trace.json && gzip -f $OUT/prefill_trace.json" ;;
     moetune) stage moetune 420 'copy|tokens|^ *[0-9]|wrote|Error' -- \
       $PY scripts/tune_moe.py --model configs/qwen3-30b-a3b --out "$OUT" ${MOE_TUNE_ARGS:-} ;;
+    gemvtune) stage gemvtune 300 'copy|shape|^ +[0-9a-z.]+ [a-z_]+ +[0-9]|Error' -- \
+      $PY scripts/tune_gemv.py ;;
     moe) stage moe 400 'offline|latency|experts reached|profile|^  +[0-9]|Error|error' -- \
       $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b --profile ${MOE_PROFILE:-} \
       ${MOE_ARGS:-} ;;

@@ -42,6 +42,7 @@ _KERNEL_MODULES = [
     "bastion.ops.triton.moe_sum",
     "bastion.ops.triton.fused_moe_gemv",
     "bastion.ops.triton.fused_moe",
+    "bastion.ops.triton.gemv",
 ]
 
 
@@ -81,6 +82,7 @@ sample_tokens_triton = _K["sample"].sample_tokens_triton
 moe_routing_triton = _K["moe_routing"].moe_routing_triton
 moe_align_triton = _K["moe_align"].moe_align_triton
 fused_moe_triton = _K["fused_moe"].fused_moe_triton
+gemv_triton = _K["gemv"].gemv_triton
 
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -693,6 +695,24 @@ def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows() -> None:
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,n,k,block_k,bias", [
+    (1, 40, 96, 32, False), (2, 37, 80, 32, True), (3, 16, 64, 64, False), (4, 9, 100, 64, True)])
+def test_gemv_matches_linear(rows: int, n: int, k: int, block_k: int, bias: bool) -> None:
+    """The decode-rows matmul: column tiles past N, K not a multiple of the tile (the masked
+    loop) and exact multiples (the unmasked one), a bias, a float32 output."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    out = gemv_triton(x, w, b, {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 4})
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    half = gemv_triton(x.half(), w.half(), None, {"BLOCK_N": 4, "BLOCK_K": block_k,
+                                                   "num_warps": 4}, out_dtype=torch.float32)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, x.half().float() @ w.half().float().t(), rtol=1e-4,
+                               atol=1e-3)
+
+
 def test_fused_moe_expert_parallel_slices_and_padding_rows() -> None:
     """Two ranks' halves of the experts sum to the whole; a rank none of whose experts a token
     chose, and rows with id -1, add exactly zero."""
@@ -758,6 +778,25 @@ def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(num_tokens: int) -> No
     ref = fused_moe_ref(x, w13, w2, weights, ids).float()
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gpu_gemv_decode_rows_bf16(rows: int) -> None:
+    """The decode-rows matmul as the linear layers call it on CUDA (``ops.linear``), at
+    Qwen3-30B-A3B's qkv shape and its router's float32 output, against float32 products."""
+    from bastion.ops.linear import gemv
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    x = torch.randn(rows, 2048, device=dev, generator=gen).bfloat16()
+    for n, out_dtype in ((5120, None), (128, torch.float32)):
+        w = (torch.randn(n, 2048, device=dev, generator=gen) / 2048 ** 0.5).bfloat16()
+        out = gemv(x, w, out_dtype=out_dtype)
+        assert out is not None and out.dtype == (out_dtype or torch.bfloat16)
+        ref = x.float() @ w.float().t()
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @gpu

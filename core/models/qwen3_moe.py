@@ -7,6 +7,7 @@ from bastion.core.models.layers.fused_moe import FusedMoE
 from bastion.core.models.layers.linear import ReplicatedLinear
 from bastion.core.models.llama import LlamaForCausalLM, LlamaMLP
 from bastion.core.models.qwen3 import qwen3_attention
+from bastion.ops.linear import gemv
 from torch import nn
 from torch.nn import functional as F
 from transformers import PretrainedConfig
@@ -34,7 +35,9 @@ def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     whose logits are that close swap places in the top-k, and the token's whole output
     changes; the GEMM still reads bf16 operands, only its output is kept wider."""
     if hidden.is_cuda and hidden.dtype != torch.float32:
-        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        out = gemv(hidden, weight, out_dtype=torch.float32)  # decode rows
+        return out if out is not None else torch.mm(hidden, weight.t(),
+                                                    out_dtype=torch.float32)
     return F.linear(hidden, weight).float()
 
 

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from bastion.ops.linear import linear
 from torch import nn
 
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block and Q4_K's sub-block
@@ -42,12 +43,13 @@ class LinearMethod(Protocol):
 
 
 class UnquantizedLinearMethod:
-    """``F.linear`` over the layer's dense ``weight``."""
+    """``F.linear`` over the layer's dense ``weight`` (decode rows on CUDA may take the
+    matrix-vector kernel: ``bastion.ops.linear``)."""
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
 
     @property
     def weight_bytes(self) -> int:

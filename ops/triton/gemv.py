@@ -1,0 +1,82 @@
+"""``y = x @ W^T (+ b)`` for a few rows of ``x``: a matrix-vector kernel for decode batches.
+
+At one to four rows a linear layer is a stream over its weight: cuBLAS picks split-K GEMM
+tiles built for wider inputs (and a second reduce kernel for the o-projection's shape), which
+at a decode step's sizes reach about half the copy bandwidth. Here one program owns
+``BLOCK_N`` output columns for every row: it streams their ``[BLOCK_N, K]`` weight rows once,
+multiplies them against all rows of ``x`` (a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` float32 tile,
+reduced over K once at the end) and writes the ``[M, BLOCK_N]`` result.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - k
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                config: dict[str, int], out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` [M, K] (M at most a few), ``weight`` [N, K] -> [M, N] in ``out_dtype`` (default
+    ``x.dtype``), accumulated in float32; ``config`` holds ``BLOCK_N``, ``BLOCK_K`` and
+    ``num_warps``."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("gemv: x and weight need a contiguous last dim")
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return y
+    bn, bk = config["BLOCK_N"], config["BLOCK_K"]
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=config["num_warps"])
+    return y
