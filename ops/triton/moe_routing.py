@@ -75,12 +75,15 @@ def moe_routing_triton(router_logits: torch.Tensor, top_k: int, renormalize: boo
     if num_tokens == 0:
         return weights, ids
     block_e = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(16, 4096 // block_e))
+    block_t = max(1, min(16, 4096 // block_e, triton.next_power_of_2(num_tokens)))
+    # NOTE: a decode step's few rows fit one warp, whose reductions (two for the softmax, two
+    # per expert chosen) stay in registers instead of crossing warps through shared memory.
+    num_warps = 1 if block_t * block_e <= 1024 else 4
     _moe_routing_kernel[(triton.cdiv(num_tokens, block_t),)](
         router_logits, weights, ids, num_real if num_real is not None else ids, num_tokens,
         router_logits.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_E=block_e, TOP_K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         HAS_NUM_REAL=num_real is not None, BLOCK_T=block_t,
-        num_warps=4)
+        num_warps=num_warps)
     return weights, ids
