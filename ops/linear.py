@@ -8,15 +8,13 @@ parity paths are unchanged. ``BASTION_GEMV=0`` turns the kernel off.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from bastion import envs
 from bastion.ops._dispatch import triton_launcher
 
 GEMV_MAX_ROWS = 4
-_ENABLED = os.environ.get("BASTION_GEMV", "1") != "0"
 
 
 def gemv_config(num_rows: int, n: int, k: int) -> dict[str, int] | None:
@@ -44,7 +42,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """``x @ weight^T + bias`` (in ``out_dtype``, default ``x.dtype``) by the matrix-vector
     kernel, or None where it does not apply (then the caller runs cuBLAS)."""
-    if not (_ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    if not (x.is_cuda and envs.get("BASTION_GEMV") and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.stride(-1) == 1):
         return None
     rows = x.reshape(-1, x.shape[-1])

@@ -20,6 +20,7 @@ import time
 
 from aiohttp import web
 
+from bastion import envs
 from bastion.api.config import ApiConfig
 from bastion.core.config import EngineConfig, build_engine_config
 from bastion.core.loader import (
@@ -41,8 +42,8 @@ logger = logging.getLogger("bastion.serve")
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("BASTION_API_KEY"))
-    parser.add_argument("--admin-key", default=os.environ.get("BASTION_ADMIN_KEY"))
+    parser.add_argument("--api-key", default=envs.get("BASTION_API_KEY"))
+    parser.add_argument("--admin-key", default=envs.get("BASTION_ADMIN_KEY"))
     parser.add_argument("--enable-fault-injection", action="store_true")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish on SIGTERM")

@@ -197,15 +197,15 @@ def test_attention_mixed_batch_runs_its_decode_rows_in_their_own_launch(
     # Decode rows of a mixed batch take decode's launch (16-row blocks, one program a sequence);
     # the prefill launch skips them. Each launch alone would leave the other's rows unwritten.
     mod = _K["unified_attention"]
-    monkeypatch.setattr(mod, "_SPLIT_MIXED", split_mixed)
+    monkeypatch.setenv("BASTION_SPLIT_MIXED_ATTENTION", "1" if split_mixed else "0")
     launches = _record_launches(monkeypatch)
     _check_attention(
         q_lens=[1, 9, 1, 30, 1], ctx_lens=[40, 0, 3, 17, 70], num_heads=4, num_kv_heads=2,
         head_dim=16, block_size=8, num_splits=None, num_pad_tokens=1,
     )  # fmt: skip
-    prefill_rows = mod.PREFILL_CONFIG.block_m
+    prefill_rows = mod.prefill_config().block_m
     seen = [(c["DECODE"], c["SKIP_DECODE_ROWS"], config.block_m) for config, c in launches]
-    assert seen == ([(False, True, prefill_rows), (True, False, mod.DECODE_CONFIG.block_m)]
+    assert seen == ([(False, True, prefill_rows), (True, False, mod.decode_config().block_m)]
                     if split_mixed else [(False, False, prefill_rows)])
 
 
@@ -311,7 +311,7 @@ def test_attention_split_decode_merges_in_its_last_split_or_a_second_kernel(
     # in a zeroed buffer that must be zero again afterwards (a CUDA graph replays the launch);
     # otherwise the merge kernel runs. Includes a padding row and splits that see no key.
     mod = _K["unified_attention"]
-    monkeypatch.setattr(mod, "_FUSED_MERGE", fused)
+    monkeypatch.setenv("BASTION_FUSED_SPLIT_MERGE", "1" if fused else "0")
     merge, merges = mod.merge_attention_splits_triton, []
     monkeypatch.setattr(mod, "merge_attention_splits_triton",
                         lambda *a: merges.append(1) or merge(*a))
@@ -881,7 +881,7 @@ def test_attention_config_from_the_environment_keeps_unset_fields(
         monkeypatch: pytest.MonkeyPatch) -> None:
     mod = _K["unified_attention"]
     default = mod.KernelConfig(64, 4, 3, 16)
-    env = "BASTION_TEST_ATTENTION_CONFIG"
+    env = "BASTION_DECODE_ATTENTION_CONFIG"
     monkeypatch.delenv(env, raising=False)
     assert mod._config(env, default) == default
     monkeypatch.setenv(env, "32,2,2")

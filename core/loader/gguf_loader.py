@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bastion import envs
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def bastion_cache_dir() -> Path:
-    return Path(os.environ.get("BASTION_CACHE_DIR") or Path.home() / ".cache" / "bastion")
+    return Path(envs.get("BASTION_CACHE_DIR") or Path.home() / ".cache" / "bastion")
 
 
 def is_gguf_file(path: str) -> bool:

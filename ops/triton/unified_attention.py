@@ -17,12 +17,12 @@ running max and running sum, and the last split of a sequence and KV head to fin
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from bastion import envs
 from bastion.ops.triton.attention_reduce import merge_attention_splits_triton, merge_splits
 from triton.runtime.errors import OutOfResources
 
@@ -35,11 +35,9 @@ _LOG2E = 1.4426950408889634
 # Decode splits the context until the grid has about this many programs. Two or three run on
 # each of an H200's 132 SMs at a time; a grid of a few waves keeps the last one from idling most
 # SMs (41 sequences x 8 KV heads over 1.4k context: 78 us with 4 splits against 88 us with 1).
-# BASTION_DECODE_SPLIT_TARGET / BASTION_DECODE_SPLIT_MIN_KEYS override the two bounds for A/B
-# runs of the whole engine.
-_TARGET_PROGRAMS = int(os.environ.get("BASTION_DECODE_SPLIT_TARGET", 12 * 132))
+# BASTION_DECODE_SPLIT_TARGET (default 12 x 132) / BASTION_DECODE_SPLIT_MIN_KEYS (256) override
+# the two bounds for A/B runs of the whole engine (bastion.envs).
 _MAX_SPLITS = 16
-_MIN_SPLIT_KEYS = int(os.environ.get("BASTION_DECODE_SPLIT_MIN_KEYS", 256))
 
 
 class KernelConfig(NamedTuple):
@@ -57,7 +55,7 @@ def _config(env: str, default: KernelConfig) -> KernelConfig:
     """``default``, or ``tile,warps,stages[,block_m]`` from the environment variable ``env`` (for
     benchmarks that compare launch shapes inside the whole engine); a field left out keeps
     ``default``'s value (decode's 16 rows, not the 64 a bare KernelConfig would get)."""
-    value = os.environ.get(env, "").strip()
+    value = envs.get(env)
     if not value:
         return default
     try:
@@ -70,13 +68,17 @@ def _config(env: str, default: KernelConfig) -> KernelConfig:
                          f"{value!r}") from None
 
 
-# decode at 256 x 1.1k context: 319 us with 64-key tiles against 377 us with 32 (H200, bf16).
-DECODE_CONFIG = _config("BASTION_DECODE_ATTENTION_CONFIG", KernelConfig(64, 4, 3, 16))
-# prefill: 32-key tiles, 4 warps, 64-row query blocks. A workload-like 16k-token chunk of whole
-# prompts: 335 us against 402 us with 64-key tiles, 8 warps and 128 rows (the earlier default),
-# and the 12 prefill steps of the offline nano-vllm run 0.386 / 0.392 s against 0.398-0.403 s
-# (same H200, alternating runs).
-PREFILL_CONFIG = _config("BASTION_PREFILL_ATTENTION_CONFIG", KernelConfig(32, 4, 3, 64))
+def decode_config() -> KernelConfig:
+    # decode at 256 x 1.1k context: 319 us with 64-key tiles against 377 us with 32 (H200).
+    return _config("BASTION_DECODE_ATTENTION_CONFIG", KernelConfig(64, 4, 3, 16))
+
+
+def prefill_config() -> KernelConfig:
+    # 32-key tiles, 4 warps, 64-row query blocks. A workload-like 16k-token chunk of whole
+    # prompts: 335 us against 402 us with 64-key tiles, 8 warps and 128 rows (the earlier
+    # default), and the 12 prefill steps of the offline nano-vllm run 0.386 / 0.392 s against
+    # 0.398-0.403 s (same H200, alternating runs).
+    return _config("BASTION_PREFILL_ATTENTION_CONFIG", KernelConfig(32, 4, 3, 64))
 
 
 # NOTE: Triton compiles a variant per integer argument that is 1, a multiple of 16 or neither.
@@ -263,10 +265,9 @@ def _unified_attention_kernel(
                 )
 
 
-# "0" runs a mixed batch's decode rows in the prefill launch, for A/B runs of the whole engine.
-_SPLIT_MIXED = os.environ.get("BASTION_SPLIT_MIXED_ATTENTION", "1") != "0"
-# "0" merges a split decode in a second kernel instead of in its last split's program.
-_FUSED_MERGE = os.environ.get("BASTION_FUSED_SPLIT_MERGE", "1") != "0"
+# A/B switches of the whole engine (bastion.envs): BASTION_SPLIT_MIXED_ATTENTION=0 runs a mixed
+# batch's decode rows in the prefill launch; BASTION_FUSED_SPLIT_MERGE=0 merges a split decode
+# in a second kernel instead of in its last split's program.
 
 # Per device: the zeroed counters of the fused merge; they return to zero after every launch.
 _DONE_COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -305,10 +306,12 @@ def _pick_num_splits(num_q_blocks: int, num_kv_heads: int, max_query_len: int,
     if max_query_len > 1:
         return 1
     programs = max(num_q_blocks * num_kv_heads, 1)
-    # A split of fewer than _MIN_SPLIT_KEYS keys is not worth its merge (Llama-3.1-8B, batch 8,
+    # A split of fewer than the minimum keys (256) is not worth its merge (Llama-3.1-8B, batch 8,
     # 160-token contexts: 657 ms a batch with 16 splits against 635 ms with 8).
-    by_length = 1 << max(0, (max_seq_len // _MIN_SPLIT_KEYS).bit_length() - 1)
-    return max(1, min(_MAX_SPLITS, by_length, _TARGET_PROGRAMS // programs))
+    min_keys = envs.get("BASTION_DECODE_SPLIT_MIN_KEYS")
+    by_length = 1 << max(0, (max_seq_len // min_keys).bit_length() - 1)
+    return max(1, min(_MAX_SPLITS, by_length,
+                      envs.get("BASTION_DECODE_SPLIT_TARGET") // programs))
 
 
 def _block_m(config: KernelConfig, num_q_per_kv: int) -> int:
@@ -408,9 +411,9 @@ def paged_attention_triton(
     # A mixed batch's decode rows get their own launch with decode's 16-row blocks: a decode
     # token alone in a prefill-shaped block fills one of its 64 token slots, and the dots and
     # softmax still do all 128 rows.
-    split_decode = (not is_decode and _SPLIT_MIXED and bool(meta.query_start_loc_cpu)
-                    and meta.num_decode_seqs > 0)
-    main = config or (DECODE_CONFIG if is_decode else PREFILL_CONFIG)
+    split_decode = (not is_decode and envs.get("BASTION_SPLIT_MIXED_ATTENTION")
+                    and bool(meta.query_start_loc_cpu) and meta.num_decode_seqs > 0)
+    main = config or (decode_config() if is_decode else prefill_config())
     # Decode: one program per sequence. Otherwise an upper bound on the query blocks.
     num_q_blocks = (num_seqs if is_decode
                     else num_tokens // _block_q(main, num_q_per_kv) + num_seqs)
@@ -434,7 +437,7 @@ def paged_attention_triton(
         )
     else:
         part_out = part_ml = out  # unused by the kernel
-    fused_merge = num_splits > 1 and _FUSED_MERGE
+    fused_merge = num_splits > 1 and envs.get("BASTION_FUSED_SPLIT_MERGE")
     done = (_done_counters(query.device, num_q_blocks * num_kv_heads) if fused_merge
             else part_ml)
     args = (out, part_out, part_ml, done, query, k_cache, v_cache, bt, meta.seq_lens,
@@ -448,7 +451,7 @@ def paged_attention_triton(
     _launch((num_q_blocks, num_kv_heads, num_splits), main, args,
             DECODE=is_decode, SKIP_DECODE_ROWS=split_decode, **consts)
     if split_decode:
-        _launch((num_seqs, num_kv_heads, num_splits), config or DECODE_CONFIG, args,
+        _launch((num_seqs, num_kv_heads, num_splits), config or decode_config(), args,
                 DECODE=True, SKIP_DECODE_ROWS=False, **consts)
     if num_splits > 1 and not fused_merge:
         merge_attention_splits_triton(out, part_out, part_ml, meta.query_start_loc, num_seqs)

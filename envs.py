@@ -1,0 +1,79 @@
+"""Every environment switch bastion reads, in one registry (vLLM's ``envs.py`` pattern).
+
+Code asks ``envs.get(NAME)`` where it needs a value, never ``os.environ`` at import time, so a
+kernel module imports the same way under any environment, a test may change a variable between
+calls, and ``python -m bastion.envs`` lists every switch with its value. Each distinct value is
+parsed once; a malformed one is an error naming the variable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+
+class EnvVar(NamedTuple):
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _flag(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError("must be 0 or 1")
+    return value == "1"
+
+
+def _text(value: str) -> str:
+    return value.strip()
+
+
+VARIABLES: dict[str, EnvVar] = {
+    "BASTION_CACHE_DIR": EnvVar(
+        None, _text, "where converted GGUF weights and other caches live (default "
+        "~/.cache/bastion)"),
+    "BASTION_API_KEY": EnvVar(None, _text, "default of `serve --api-key`"),
+    "BASTION_ADMIN_KEY": EnvVar(None, _text, "default of `serve --admin-key`"),
+    "BASTION_GEMV": EnvVar(
+        True, _flag, "0: decode rows' linear layers on CUDA use cuBLAS instead of the Triton "
+        "matrix-vector kernel (ops/linear.py)"),
+    "BASTION_DECODE_SPLIT_TARGET": EnvVar(
+        12 * 132, int, "decode attention splits the context until its grid has about this many "
+        "programs"),
+    "BASTION_DECODE_SPLIT_MIN_KEYS": EnvVar(
+        256, int, "decode attention's smallest context split, in keys"),
+    "BASTION_DECODE_ATTENTION_CONFIG": EnvVar(
+        "", _text, "decode attention's launch shape 'tile,num_warps,num_stages[,block_m]' (A/B "
+        "runs; empty: the tuned default)"),
+    "BASTION_PREFILL_ATTENTION_CONFIG": EnvVar(
+        "", _text, "prefill attention's launch shape, as the decode one"),
+    "BASTION_SPLIT_MIXED_ATTENTION": EnvVar(
+        True, _flag, "0: a mixed batch's decode rows run in the prefill attention launch"),
+    "BASTION_FUSED_SPLIT_MERGE": EnvVar(
+        True, _flag, "0: a split decode merges in a second kernel instead of in its last "
+        "split's program"),
+}
+
+
+def get(name: str) -> Any:
+    """The variable's value: parsed from the environment as it is now, or its default when
+    unset or empty (a test may change a variable between calls)."""
+    return _parse(name, os.environ.get(name, ""))
+
+
+@functools.cache
+def _parse(name: str, raw: str) -> Any:
+    var = VARIABLES[name]
+    if not raw.strip():
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r}: {exc}") from None
+
+
+if __name__ == "__main__":
+    for key, v in VARIABLES.items():
+        print(f"{key}={os.environ.get(key, '')} (default {v.default!r}): {v.doc}")
