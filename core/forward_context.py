@@ -1,77 +1,16 @@
 """Per-step attention metadata, handed to every ``Attention`` layer without threading it
-through the model's ``forward`` signature (the vLLM forward-context pattern)."""
+through the model's ``forward`` signature (the vLLM forward-context pattern). The metadata type
+itself is the kernels' contract and lives in ``bastion.ops.attention_metadata``."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 
-import torch
+from bastion.ops.attention_metadata import AttentionMetadata, build_attention_metadata
 
-
-@dataclass
-class AttentionMetadata:
-    """Where one step's tokens live in the paged KV cache.
-
-    The new tokens of sequence ``i`` are the LAST ``q_len_i`` tokens of its context, at positions
-    ``seq_len_i - q_len_i ... seq_len_i - 1``; attention is causal over the whole context.
-    """
-
-    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset; -1 = padding, not stored
-    query_start_loc: torch.Tensor  # int32 [B+1]: cumulative new-token counts, on the model device
-    seq_lens: torch.Tensor  # int32 [B]: context length INCLUDING the new tokens
-    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq]: physical block ids, padded with 0
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc_cpu: list[int]  # the same as Python lists, for the CPU reference loops
-    seq_lens_cpu: list[int]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
-    @functools.cached_property
-    def num_decode_seqs(self) -> int:
-        """Sequences with exactly one new token (counted once a step, shared by the layers)."""
-        qsl = self.query_start_loc_cpu
-        return sum(1 for a, b in zip(qsl, qsl[1:]) if b - a == 1)
-
-
-def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
-                             block_tables: Sequence[Sequence[int]], block_size: int,
-                             device: torch.device | str = "cpu") -> AttentionMetadata:
-    """Build metadata from plain lists (tests, dummy runs, the CPU runner).
-
-    The slot of each new token follows from its position and the sequence's block table.
-    """
-    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-    starts = [0]
-    slots: list[int] = []
-    for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
-        if not 0 < q_len <= seq_len or len(table) * block_size < seq_len:
-            raise ValueError(f"bad sequence: q_len={q_len} seq_len={seq_len} blocks={len(table)}")
-        starts.append(starts[-1] + q_len)
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    width = max((len(t) for t in block_tables), default=0)
-    padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(len(padded), width),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
-    )
+__all__ = ["AttentionMetadata", "build_attention_metadata", "get_forward_context",
+           "set_forward_context"]
 
 
 _forward_context: AttentionMetadata | None = None

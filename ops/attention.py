@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bastion.core.forward_context import AttentionMetadata
+from bastion.ops.attention_metadata import AttentionMetadata
 from bastion.ops._dispatch import triton_launcher, use_triton
 
 # Decode batches gather their context in chunks of at most this many key elements (per cache),

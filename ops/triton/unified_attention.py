@@ -27,7 +27,7 @@ from bastion.ops.triton.attention_reduce import merge_attention_splits_triton, m
 from triton.runtime.errors import OutOfResources
 
 if TYPE_CHECKING:
-    from bastion.core.forward_context import AttentionMetadata
+    from bastion.ops.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
