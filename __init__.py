@@ -11,7 +11,7 @@ __all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing the wire types (``bastion.ipc``) does not pull in torch.
     if name == "LLM":
-        from bastion.core.llm import LLM
+        from bastion.procs.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -73,7 +73,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from bastion.procs.cli import UserError, engine_kwargs, no_effect_notes
+    from bastion.procs.args import UserError, engine_kwargs, no_effect_notes
 
     setup_logging(args.log_level)
     for note in no_effect_notes(args):
@@ -237,7 +237,7 @@ class Server:
     async def _load_lora_modules(self, app: web.Application) -> None:
         from bastion.api.errors import ApiError
         from bastion.api.lora import load_adapter, parse_lora_modules
-        from bastion.procs.cli import UserError
+        from bastion.procs.args import UserError
 
         for name, path in parse_lora_modules(self.config.lora.lora_modules):
             try:

@@ -60,7 +60,7 @@ def unreadable_ancestors(path: Path) -> list[Path]:
 
 def install_units(args: argparse.Namespace) -> list[Path]:
     """Write the units (and a first bastion.env); returns the files written."""
-    from bastion.procs.cli import UserError
+    from bastion.procs.args import UserError
 
     binary = Path(args.bin) if args.bin else default_binary()
     if not os.access(binary, os.X_OK):

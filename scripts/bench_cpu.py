@@ -69,7 +69,7 @@ def _timed(run, repeats: int) -> float:
 def run_bastion(
     dtype: str, threads: int, batches: list[int], new_tokens: int, repeats: int
 ) -> list[dict]:
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
     from bastion.core.loader import weight_bytes_per_step
     from bastion.ipc.messages import SamplingParams
 

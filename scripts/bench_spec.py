@@ -17,7 +17,7 @@ import argparse
 import json
 import time
 
-from bastion.core.llm import LLM
+from bastion.procs.llm import LLM
 from bastion.core.scheduler import _SpecStats
 from bastion.ipc.messages import SamplingParams
 

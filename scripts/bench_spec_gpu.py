@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_latency import copy_bandwidth, model_bytes
 
 from bastion.core.cuda_graphs import DecodeInputs
-from bastion.core.llm import LLM
+from bastion.procs.llm import LLM
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.ipc.messages import SamplingParams
 

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bastion.core.llm import LLM
+from bastion.procs.llm import LLM
 from bastion.ipc.messages import EngineCoreRequest, SamplingParams, StructuredOutputsParams
 
 # Unbounded, so a request keeps decoding under it up to max_tokens (the mask is filled every

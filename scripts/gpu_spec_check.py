@@ -22,7 +22,7 @@ import time
 import torch
 from bench_spec import count_spec_stats  # scripts/ is this script's folder
 
-from bastion.core.llm import LLM
+from bastion.procs.llm import LLM
 from bastion.ipc.messages import SamplingParams
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3-0.6b")

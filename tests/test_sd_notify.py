@@ -13,7 +13,9 @@ import tempfile
 import uuid
 
 import pytest
-from bastion.procs.logs import progress, setup_logging
+
+from bastion.core.progress import progress
+from bastion.procs.logs import setup_logging
 from bastion.procs.sd_notify import Notifier, ping_watchdog, watchdog_interval
 
 

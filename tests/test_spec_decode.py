@@ -222,7 +222,7 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def plain_llm():
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     return LLM(dtype="float32", max_model_len=256)
 
@@ -253,7 +253,7 @@ def _count_spec(llm) -> dict[str, int]:
 
 
 def test_ngram_greedy_is_token_identical_with_prefix_hits(reference):
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
     totals = _count_spec(llm)
@@ -266,7 +266,7 @@ def test_ngram_greedy_is_token_identical_with_prefix_hits(reference):
 
 
 def test_ngram_with_chunked_prefill_and_preemption_is_token_identical(reference):
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=8,
               num_gpu_blocks_override=16, enable_prefix_caching=False, speculative_config=NGRAM)
@@ -278,7 +278,7 @@ def test_ngram_with_chunked_prefill_and_preemption_is_token_identical(reference)
 
 
 def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm):
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
     prompt = PROMPTS[:1]
@@ -304,7 +304,7 @@ def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm):
 
 
 def test_ngram_seeded_sampling_is_reproducible():
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=20)
@@ -328,7 +328,7 @@ def test_ngram_plain_steps_replay_the_decode_graph_and_verify_steps_the_verify_g
     """On a GPU, steps without drafts replay the decode graphs and steps with drafts the
     verify graphs (k + 1 tokens per sequence, fewer drafts padded). Here both graph runners run
     their padded batches eagerly on the CPU, as in test_llm; the tokens stay the reference's."""
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
     runner = llm.engine.executor.runner
@@ -369,7 +369,7 @@ def _draft_config(model: str, k: int = 3) -> dict:
 
 def test_draft_model_equal_to_the_target_has_every_draft_accepted(reference,
                                                                   embedded_gguf_path):
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     # Chunked prefill and preemption too: the draft's KV rides on the target's blocks.
     llm = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=8,
@@ -385,7 +385,7 @@ def test_draft_model_verify_steps_through_the_verify_graph_runner(reference,
                                                                   embedded_gguf_path):
     """The verify graphs' padded batch is what the draft model shadows for its KV: with the
     target as its own draft, every draft is still accepted."""
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=128, block_size=8,
               speculative_config=_draft_config(embedded_gguf_path))
@@ -401,7 +401,7 @@ def test_draft_model_verify_steps_through_the_verify_graph_runner(reference,
 
 def test_random_draft_model_is_almost_never_accepted_and_changes_nothing(reference,
                                                                          tiny_random_draft):
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=256, speculative_config=_draft_config(
         tiny_random_draft))
@@ -419,7 +419,7 @@ def test_draft_model_with_another_vocabulary_fails_at_start_up(tmp_path):
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from bastion.core.llm import LLM
+    from bastion.procs.llm import LLM
 
     AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).save_pretrained(
         tmp_path)

@@ -17,7 +17,7 @@ import torch
 from structured_schemas import SCHEMAS
 
 from bastion.core.config import CacheConfig, SchedulerConfig
-from bastion.core.llm import LLM
+from bastion.procs.llm import LLM
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
 from bastion.core.structured_output.bitmask import (

@@ -25,7 +25,7 @@ from bastion.core.loader.hf_loader import count_safetensors, iter_safetensors, l
 from bastion.core.loader.tokenizer import load_tokenizer_from
 from bastion.core.models.layers.quantization import cpu_has_bf16_kernels
 from bastion.core.models.registry import get_model_class
-from bastion.procs.logs import progress
+from bastion.core.progress import progress
 
 logger = logging.getLogger(__name__)
 
