@@ -3,87 +3,155 @@ slot of its adapter (-1: none), and one launch serves every slot of a batch.
 
 ``lora_a`` is stacked ``[num_slots, R, K]`` and ``lora_b`` ``[num_slots, N, R]`` per slot; slots
 are fixed-size (rank padded with zeros to ``R``), so shapes never change between steps and a
-CUDA graph captured once serves any mix of adapters. No function here syncs with the host.
+CUDA graph captured once serves any mix of adapters. No function here syncs with the host: the
+host, which knows every row's slot, builds the step's ``LoRAIndex`` (``build_lora_index``).
 
-The shrink's result ``h`` is float32 ``[SPLIT_K, T, R]``: the K-split partial products, which the
-expand sums while loading them (in a fixed order, so results are deterministic). The shrink
-writes every partial of a row with a slot, so ``h`` needs no zeroing and can be a persistent
-scratch buffer; rows of slot -1 are never written nor read.
+The shrink's result ``h`` is float32 ``[T, R]`` in a persistent scratch that is zero between
+calls: the shrink adds into it (its K splits with atomic adds, so there is no memset launch),
+and the expand zeroes the rows it read once every program has read them.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from bastion.ops._dispatch import triton_launcher, use_triton
 
-# Splitting K pays while the rows fill few tiles (decode, short prefill chunks): a split reads
-# at least 1024 columns of x and A, and the partials of a step stay
-# within 8192 rows (1.5 MB at rank 48), so the scratch is small and in L2.
-_MAX_SPLIT_K = 4
-_MIN_SPLIT_COLUMNS = 1024
-_MAX_SPLIT_ROWS = 8192
-_MAX_SPLIT_TOKENS = 2048  # 32 row tiles of 64: programs enough without a split
+
+class LoRAIndex(NamedTuple):
+    """One step's rows by adapter slot, on the device. ``token_slots[t]`` is row t's slot (-1:
+    none; the torch references read it); ``row_ids`` lists the rows with a slot grouped by slot,
+    slot s's at ``row_ids[slot_starts[s]:slot_starts[s + 1]]`` (the kernels read these, so a
+    program's tile of rows is one adapter's)."""
+
+    token_slots: torch.Tensor  # int32 [>= T]
+    row_ids: torch.Tensor  # int32 [>= T]
+    slot_starts: torch.Tensor  # int32 [num_slots + 1]
 
 
-def lora_split_k(num_tokens: int, hidden: int) -> int:
-    """How many K splits the shrink of a ``[num_tokens, hidden]`` input uses (the leading dim
-    of ``h``): into at most 4 (every expand program sums the partials it reads: 16-32 splits
-    cost more there than they saved in the shrink, measured on an H200), each of at least
-    1024 columns; from 2048 rows not at all."""
+def build_lora_index(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(row_ids, slot_starts)`` of one step's slots, on the host (``LoRAIndex``'s layout)."""
+    slots = np.asarray(token_slots, dtype=np.int32)
+    with_slot = np.flatnonzero(slots >= 0)
+    row_ids = with_slot[np.argsort(slots[with_slot], kind="stable")].astype(np.int32)
+    starts = np.searchsorted(slots[row_ids], np.arange(num_slots + 1), side="left")
+    return row_ids, starts.astype(np.int32)
+
+
+class ShrinkConfig(NamedTuple):
+    block_m: int  # rows of a tile (all one slot's)
+    block_n: int  # rank columns of a tile
+    block_k: int  # input columns a step of the K loop reads
+    split_k: int  # programs the K reduction is spread over (> 1: atomic adds into h)
+    num_warps: int
+    num_stages: int
+
+
+class ExpandConfig(NamedTuple):
+    block_m: int
+    block_n: int  # output columns of a tile
+    block_k: int  # rank columns a step of the rank loop reads
+    num_warps: int
+    num_stages: int
+
+
+# Decode batches are latency-bound (a rank-16 adapter is ~4 MB a layer, read in microseconds):
+# what counts is programs enough to fill the SMs, each with one short K step. The shrink spreads
+# K over up to _SHRINK_PROGRAMS programs of at least _MIN_SPLIT_COLUMNS columns, and caps the
+# atomic adds (split_k * T rows of R) at _MAX_ATOMIC_ROWS; from _MAX_SPLIT_TOKENS rows the row
+# tiles alone are programs enough, and prefill keeps the tiles it had.
+_SHRINK_PROGRAMS = 256
+_MIN_SPLIT_COLUMNS = 128
+_MAX_ATOMIC_ROWS = 4096
+_MAX_SPLIT_TOKENS = 2048
+
+
+def _block_m(num_tokens: int) -> int:
+    return 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+
+
+def shrink_config(num_tokens: int, hidden: int, rank: int) -> ShrinkConfig:
+    """The shrink's tiles and K split for ``[num_tokens, hidden] @ [hidden, rank]``."""
+    block_n = min(64, max(16, 1 << (rank - 1).bit_length()))
     if num_tokens >= _MAX_SPLIT_TOKENS:
-        return 1
-    by_rows = max(1, _MAX_SPLIT_ROWS // max(num_tokens, 1))
-    return max(1, min(_MAX_SPLIT_K, hidden // _MIN_SPLIT_COLUMNS, by_rows))
+        return ShrinkConfig(64, block_n, 64, 1, 4, 3)
+    block_m = _block_m(num_tokens)
+    block_k = _MIN_SPLIT_COLUMNS
+    tiles = -(-num_tokens // block_m) * -(-rank // block_n)
+    split = min(
+        -(-hidden // block_k),
+        max(1, _SHRINK_PROGRAMS // tiles),
+        max(1, _MAX_ATOMIC_ROWS // num_tokens),
+    )
+    return ShrinkConfig(block_m, block_n, block_k, split, 4, 1)
 
 
-def max_split_scratch(max_tokens: int) -> int:
-    """Rows of ``[*, R]`` partials (``SPLIT_K * T``) the batches of up to ``max_tokens`` need."""
-    return max(max_tokens, min(_MAX_SPLIT_ROWS, _MAX_SPLIT_K * max_tokens))
+def expand_config(num_tokens: int, out_features: int, slice_rank: int) -> ExpandConfig:
+    """The expand's tiles for ``[num_tokens, R] @ [R, out_features]``, where each output
+    column reads only ``slice_rank`` of R (its slice's block of a fused layer's B)."""
+    block_k = min(64, max(16, 1 << (slice_rank - 1).bit_length()))
+    if num_tokens >= _MAX_SPLIT_TOKENS:
+        return ExpandConfig(64, 128, block_k, 4, 2)
+    return ExpandConfig(_block_m(num_tokens), 64, block_k, 4, 1)
 
 
-def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, h: torch.Tensor
-) -> None:
-    """``h.sum(0)[t] = x[t] @ lora_a[token_slots[t]]^T`` into float32 partials ``[SPLIT_K, T,
-    R]`` (written, not added); rows of slot -1 are left as they are (expand skips them)."""
-    if use_triton(x, lora_a, token_slots, h):
+def max_row_tiles(max_tokens: int) -> int:
+    """Row tiles a slot can have in a batch of up to ``max_tokens`` (the expand's counters)."""
+    return -(-max_tokens // 16)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRAIndex, h: torch.Tensor) -> None:
+    """``h[t] += x[t] @ lora_a[token_slots[t]]^T`` (float32 ``[T, R]``, zero on entry) for the
+    rows with a slot; rows of slot -1 are left as they are."""
+    if use_triton(x, lora_a, index.row_ids, h):
         launcher = triton_launcher("lora_shrink", "lora_shrink_triton")
         if launcher is not None:
-            launcher(x, lora_a, token_slots, h)
+            config = shrink_config(x.shape[0], x.shape[1], lora_a.shape[1])
+            launcher(x, lora_a, index.row_ids, index.slot_starts, h, config)
             return
-    lora_shrink_ref(x, lora_a, token_slots, h)
+    lora_shrink_ref(x, lora_a, index.token_slots, h)
 
 
 def lora_expand(
     h: torch.Tensor,
     lora_b: torch.Tensor,
-    token_slots: torch.Tensor,
+    index: LoRAIndex,
     scales: torch.Tensor,
     y: torch.Tensor,
+    tile_counts: torch.Tensor,
+    slice_ends: tuple[int, ...] | None = None,
 ) -> None:
-    """``y[t] += scales[s] * h.sum(0)[t] @ lora_b[s]^T`` with ``s = token_slots[t]``, in place;
-    rows of slot -1 are left exactly as they are (the base model's output)."""
-    if use_triton(h, lora_b, token_slots, scales, y):
+    """``y[t] += scales[s] * h[t] @ lora_b[s]^T`` with ``s = token_slots[t]``, in place, then
+    ``h[t] = 0``; rows of slot -1 are left exactly as they are (the base model's output).
+
+    ``slice_ends``: where each slice of a fused layer's output ends (default: one slice); B must
+    be block-diagonal over them (slice i's columns read only rank block i), and the kernel reads
+    only those blocks. ``tile_counts`` (int32 ``[num_slots, max_row_tiles]``, zero between
+    calls) counts the programs that have read a tile of h."""
+    ends = slice_ends if slice_ends is not None else (y.shape[1],)
+    if use_triton(h, lora_b, index.row_ids, scales, y):
         launcher = triton_launcher("lora_expand", "lora_expand_triton")
         if launcher is not None:
-            launcher(h, lora_b, token_slots, scales, y)
+            config = expand_config(h.shape[0], y.shape[1], h.shape[1] // len(ends))
+            launcher(
+                h, lora_b, index.row_ids, index.slot_starts, scales, y, tile_counts, ends, config
+            )
             return
-    lora_expand_ref(h, lora_b, token_slots, scales, y)
+    lora_expand_ref(h, lora_b, index.token_slots, scales, y)
 
 
 def lora_shrink_ref(
     x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, h: torch.Tensor
 ) -> None:
     # One matmul per slot over all rows, kept where the row is that slot's: no host sync, and
-    # a row's value is exactly its own adapter's product. The whole product is the first
-    # partial; the other partials of a row with a slot are zero.
-    slots = token_slots.view(-1, 1)
+    # a row's value is exactly its own adapter's product.
+    slots = token_slots[: x.shape[0]].view(-1, 1)
     for slot in range(lora_a.shape[0]):
         part = x.float() @ lora_a[slot].float().T
-        h[0].copy_(torch.where(slots == slot, part, h[0]))
-    if h.shape[0] > 1:
-        h[1:].masked_fill_((slots >= 0).view(1, -1, 1), 0.0)
+        h.copy_(torch.where(slots == slot, h + part, h))
 
 
 def lora_expand_ref(
@@ -93,10 +161,8 @@ def lora_expand_ref(
     scales: torch.Tensor,
     y: torch.Tensor,
 ) -> None:
-    slots = token_slots.view(-1, 1)
-    total = h[0]
-    for split in range(1, h.shape[0]):  # in order, as the kernel sums them
-        total = total + h[split]
+    slots = token_slots[: h.shape[0]].view(-1, 1)
     for slot in range(lora_b.shape[0]):
-        part = (total @ lora_b[slot].float().T) * scales[slot]
+        part = (h @ lora_b[slot].float().T) * scales[slot]
         y.copy_(torch.where(slots == slot, (y.float() + part).to(y.dtype), y))
+    h.masked_fill_(slots >= 0, 0.0)

@@ -167,13 +167,4 @@ class LoRAManager:
     def set_token_slots(self, token_slots: np.ndarray) -> None:
         """This step's slot of every token row (padding included); LoRA runs in eager steps
         only when some row has an adapter."""
-        n = len(token_slots)
-        if n > self.state.token_slots.shape[0]:
-            raise RuntimeError(
-                f"a step of {n} rows exceeds the LoRA index of {self.state.token_slots.shape[0]}"
-            )
-        host = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int32))
-        if self.state.token_slots.is_cuda:
-            host = host.pin_memory()
-        self.state.token_slots[:n].copy_(host, non_blocking=True)
-        self.state.is_active = bool((token_slots >= 0).any())
+        self.state.set_rows(token_slots)
