@@ -60,42 +60,56 @@ class ExpandConfig(NamedTuple):
 
 # Decode batches are latency-bound (a rank-16 adapter is ~4 MB a layer, read in microseconds):
 # what counts is programs enough to fill the SMs, each with one short K step. The shrink spreads
-# K over up to _SHRINK_PROGRAMS programs of at least _MIN_SPLIT_COLUMNS columns, and caps the
-# atomic adds (split_k * T rows of R) at _MAX_ATOMIC_ROWS; from _MAX_SPLIT_TOKENS rows the row
-# tiles alone are programs enough, and prefill keeps the tiles it had.
+# K over about _DECODE_SPLITS programs a tile of rows, one step of 64-256 columns each, up to
+# _SHRINK_PROGRAMS programs in all and _MAX_ATOMIC_ROWS rows of atomic adds (split * T); prefill
+# (from _PREFILL_TOKENS rows) walks K in steps of 64, splitting it only while the row tiles are
+# few, into ranges of at least _MIN_PREFILL_COLUMNS. Measured on an H200 (Llama-3.1-8B shapes,
+# rank 16, scripts/bench_lora_kernels.py --sweep): a decode shrink 2.0-2.5 us a launch, an empty
+# Triton launch 1.1 us; K in 16-32 ranges cost 0.3-2x more at batch 1-256.
+_DECODE_SPLITS = 64
 _SHRINK_PROGRAMS = 256
-_MIN_SPLIT_COLUMNS = 128
-_MAX_ATOMIC_ROWS = 4096
-_MAX_SPLIT_TOKENS = 2048
+_MAX_ATOMIC_ROWS = 16384
+_PREFILL_TOKENS = 2048
+_MIN_PREFILL_COLUMNS = 1024
 
 
 def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
 
 
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def shrink_config(num_tokens: int, hidden: int, rank: int) -> ShrinkConfig:
     """The shrink's tiles and K split for ``[num_tokens, hidden] @ [hidden, rank]``."""
-    block_n = min(64, max(16, 1 << (rank - 1).bit_length()))
-    if num_tokens >= _MAX_SPLIT_TOKENS:
-        return ShrinkConfig(64, block_n, 64, 1, 4, 3)
-    block_m = _block_m(num_tokens)
-    block_k = _MIN_SPLIT_COLUMNS
+    block_n = min(64, max(16, _pow2(rank)))
+    if num_tokens >= _PREFILL_TOKENS:
+        block_m, block_k, min_columns, num_stages = 64, 64, _MIN_PREFILL_COLUMNS, 3
+    else:
+        block_m = _block_m(num_tokens)
+        block_k = min(256, max(64, _pow2(-(-hidden // _DECODE_SPLITS))))
+        min_columns, num_stages = block_k, 1
     tiles = -(-num_tokens // block_m) * -(-rank // block_n)
     split = min(
-        -(-hidden // block_k),
+        -(-hidden // min_columns),
         max(1, _SHRINK_PROGRAMS // tiles),
         max(1, _MAX_ATOMIC_ROWS // num_tokens),
     )
-    return ShrinkConfig(block_m, block_n, block_k, split, 4, 1)
+    if split * block_k < hidden and num_stages == 1:
+        num_stages = 2  # several K steps a program: load the next while one multiplies
+    return ShrinkConfig(block_m, block_n, block_k, split, 4, num_stages)
 
 
 def expand_config(num_tokens: int, out_features: int, slice_rank: int) -> ExpandConfig:
     """The expand's tiles for ``[num_tokens, R] @ [R, out_features]``, where each output
-    column reads only ``slice_rank`` of R (its slice's block of a fused layer's B)."""
-    block_k = min(64, max(16, 1 << (slice_rank - 1).bit_length()))
-    if num_tokens >= _MAX_SPLIT_TOKENS:
-        return ExpandConfig(64, 128, block_k, 4, 2)
-    return ExpandConfig(_block_m(num_tokens), 64, block_k, 4, 1)
+    column reads only ``slice_rank`` of R (its slice's block of a fused layer's B). Column
+    tiles of 128 but for small decode batches of small layers (measured as the shrink's; 4
+    adapters' gate_up at batch 8: 5.8 us at 128 columns, 7.3 at 64)."""
+    block_k = min(64, max(16, _pow2(slice_rank)))
+    block_m = _block_m(num_tokens) if num_tokens < _PREFILL_TOKENS else 64
+    block_n = 64 if num_tokens <= 16 and out_features < 16384 else 128
+    return ExpandConfig(block_m, block_n, block_k, 4, 1 if num_tokens < _PREFILL_TOKENS else 2)
 
 
 def max_row_tiles(max_tokens: int) -> int:
@@ -106,11 +120,11 @@ def max_row_tiles(max_tokens: int) -> int:
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRAIndex, h: torch.Tensor) -> None:
     """``h[t] += x[t] @ lora_a[token_slots[t]]^T`` (float32 ``[T, R]``, zero on entry) for the
     rows with a slot; rows of slot -1 are left as they are."""
-    if use_triton(x, lora_a, index.row_ids, h):
+    if use_triton(x, lora_a, *index, h):
         launcher = triton_launcher("lora_shrink", "lora_shrink_triton")
         if launcher is not None:
             config = shrink_config(x.shape[0], x.shape[1], lora_a.shape[1])
-            launcher(x, lora_a, index.row_ids, index.slot_starts, h, config)
+            launcher(x, lora_a, index, h, config)
             return
     lora_shrink_ref(x, lora_a, index.token_slots, h)
 
@@ -132,13 +146,11 @@ def lora_expand(
     only those blocks. ``tile_counts`` (int32 ``[num_slots, max_row_tiles]``, zero between
     calls) counts the programs that have read a tile of h."""
     ends = slice_ends if slice_ends is not None else (y.shape[1],)
-    if use_triton(h, lora_b, index.row_ids, scales, y):
+    if use_triton(h, lora_b, *index, scales, y, tile_counts):
         launcher = triton_launcher("lora_expand", "lora_expand_triton")
         if launcher is not None:
             config = expand_config(h.shape[0], y.shape[1], h.shape[1] // len(ends))
-            launcher(
-                h, lora_b, index.row_ids, index.slot_starts, scales, y, tile_counts, ends, config
-            )
+            launcher(h, lora_b, index, scales, y, tile_counts, ends, config)
             return
     lora_expand_ref(h, lora_b, index.token_slots, scales, y)
 

@@ -142,14 +142,7 @@ class Case:
     def shrink(self, name: str, layer: int, config) -> None:
         from bastion.ops.triton.lora_shrink import lora_shrink_triton
 
-        lora_shrink_triton(
-            self.x[name],
-            self.a[name][layer],
-            self.index.row_ids,
-            self.index.slot_starts,
-            self.h(name),
-            config,
-        )
+        lora_shrink_triton(self.x[name], self.a[name][layer], self.index, self.h(name), config)
 
     def expand(self, name: str, layer: int, config) -> None:
         from bastion.ops.triton.lora_expand import lora_expand_triton
@@ -157,8 +150,7 @@ class Case:
         lora_expand_triton(
             self.h(name),
             self.b[name][layer],
-            self.index.row_ids,
-            self.index.slot_starts,
+            self.index,
             self.scales,
             self.y[name],
             self.counts,

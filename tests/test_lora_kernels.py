@@ -125,7 +125,7 @@ def test_shrink_then_expand_match_the_reference(
     h_ref = torch.zeros(num_tokens, rank, device=DEVICE)
     h_tri = h_ref.clone()
     lora_shrink_ref(x, a, index.token_slots, h_ref)
-    lora_shrink_triton(x, a, index.row_ids, index.slot_starts, h_tri, shrink)
+    lora_shrink_triton(x, a, index, h_tri, shrink)
     torch.testing.assert_close(h_tri, h_ref, **TOL)
     none = index.token_slots < 0
     assert bool((h_tri[none] == 0).all())  # rows without an adapter are untouched
@@ -145,8 +145,7 @@ def test_shrink_then_expand_match_the_reference(
     lora_expand_triton(
         h_tri,
         b_tri,
-        index.row_ids,
-        index.slot_starts,
+        index,
         scales,
         y_tri[:, 4 : 4 + out],
         counts,
@@ -171,7 +170,7 @@ def test_the_policy_configs_run_and_match() -> None:
         x, a, b, index, scales = _batch(num_tokens, 48, hidden, 40, (24, 32, 40), num_tokens)
         h = torch.zeros(num_tokens, 48, device=DEVICE)
         config = shrink_config(num_tokens, hidden, 48)
-        lora_shrink_triton(x, a, index.row_ids, index.slot_starts, h, config)
+        lora_shrink_triton(x, a, index, h, config)
         h_ref = torch.zeros_like(h)
         lora_shrink_ref(x, a, index.token_slots, h_ref)
         torch.testing.assert_close(h, h_ref, **TOL)
@@ -182,8 +181,7 @@ def test_the_policy_configs_run_and_match() -> None:
         lora_expand_triton(
             h,
             b,
-            index.row_ids,
-            index.slot_starts,
+            index,
             scales,
             y,
             _counts(num_tokens),
@@ -198,15 +196,14 @@ def test_expand_is_deterministic() -> None:
     # The same h gives bit-identical outputs run after run (the expand adds no atomics).
     x, a, b, index, scales = _batch(5, 16, 560, 40, (40,), seed=3)
     h = torch.zeros(5, 16, device=DEVICE)
-    lora_shrink_triton(x, a, index.row_ids, index.slot_starts, h, ShrinkConfig(16, 16, 64, 5, 4, 1))
+    lora_shrink_triton(x, a, index, h, ShrinkConfig(16, 16, 64, 5, 4, 1))
     outs = []
     for _ in range(2):
         y = torch.zeros(5, 40, device=DEVICE)
         lora_expand_triton(
             h.clone(),
             b,
-            index.row_ids,
-            index.slot_starts,
+            index,
             scales,
             y,
             _counts(5),
@@ -224,17 +221,19 @@ def test_index_groups_rows_by_slot() -> None:
     assert row_ids.tolist() == [] and starts.tolist() == [0, 0, 0]
 
 
-def test_split_k_is_for_decode() -> None:
+def test_k_is_spread_over_programs_while_rows_are_few() -> None:
     # Llama-3-8B: hidden 4096 (qkv, o, gate_up), 14336 (down); stacked ranks 48, 16, 32, 16.
     for hidden in (4096, 14336):
-        for num_tokens in (1, 8, 64, 256, 1024):
+        for num_tokens in (1, 8, 64, 256, 1024, 2048, 8192):
             config = shrink_config(num_tokens, hidden, 48)
-            assert config.split_k > 1 and config.split_k * config.block_k <= hidden + 127
-            assert config.split_k * num_tokens <= 4096  # the atomic adds stay bounded
-        decode = shrink_config(8, hidden, 48)
-        assert decode.split_k * decode.block_m >= 256  # programs enough for one tile of rows
-        assert shrink_config(2048, hidden, 48) == ShrinkConfig(64, 64, 64, 1, 4, 3)
-    assert shrink_config(8, 100, 16).split_k == 1
+            k_range = -(-hidden // config.split_k)
+            assert config.split_k * num_tokens <= max(16384, num_tokens)  # atomics bounded
+            if num_tokens <= 256:  # decode: one K step a program, programs enough
+                assert k_range <= config.block_k <= 256 and config.split_k >= 56
+            if num_tokens >= 2048:  # prefill: long K ranges, fewer programs
+                assert config.block_k == 64 and k_range >= 1024 or config.split_k == 1
+        assert shrink_config(16384, hidden, 48).split_k == 1
+    assert shrink_config(8, 64, 16).split_k == 1  # one K step: nothing to split
     assert expand_config(8, 4096, 16).block_k == 16 and expand_config(8, 4096, 64).block_k == 64
 
 
@@ -242,28 +241,26 @@ def test_launchers_check_shapes_and_dtypes() -> None:
     x, a, b, index, scales = _batch(4, 8, 32, 16, (16,), seed=0)
     h = torch.zeros(4, 8, device=DEVICE)
     config, expand = ShrinkConfig(16, 16, 64, 1, 4, 1), ExpandConfig(16, 16, 16, 4, 1)
-    ids, starts = index.row_ids, index.slot_starts
     with pytest.raises(ValueError, match="shapes disagree"):
-        lora_shrink_triton(x, a[:, :, :16], ids, starts, h, config)
-    with pytest.raises(ValueError, match="float32 h and int32 row_ids"):
-        lora_shrink_triton(x, a, ids.long(), starts, h, config)
+        lora_shrink_triton(x, a[:, :, :16], index, h, config)
+    with pytest.raises(ValueError, match="float32 h and an int32 index"):
+        lora_shrink_triton(x, a, index._replace(row_ids=index.row_ids.long()), h, config)
     with pytest.raises(ValueError, match=r"h \[T, R\]"):
-        lora_shrink_triton(x, a, ids, starts, h[None], config)
+        lora_shrink_triton(x, a, index, h[None], config)
     counts = _counts(4)
     with pytest.raises(ValueError, match="contiguous"):
         lora_expand_triton(
-            h, b, ids, starts, scales, torch.zeros(16, 4, device=DEVICE).T, counts, (16,), expand
+            h, b, index, scales, torch.zeros(16, 4, device=DEVICE).T, counts, (16,), expand
         )
     with pytest.raises(ValueError, match="shapes disagree"):
         lora_expand_triton(
-            h, b, ids, starts, scales[:2], torch.zeros(4, 16, device=DEVICE), counts, (16,), expand
+            h, b, index, scales[:2], torch.zeros(4, 16, device=DEVICE), counts, (16,), expand
         )
     with pytest.raises(ValueError, match="1 to 3 slices"):
         lora_expand_triton(
             h,
             b,
-            ids,
-            starts,
+            index,
             scales,
             torch.zeros(4, 16, device=DEVICE),
             counts,

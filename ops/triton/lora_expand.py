@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.lora import ExpandConfig
+from bastion.ops.lora import ExpandConfig, LoRAIndex
 
 
 @triton.jit
@@ -23,11 +23,13 @@ def _slice_of(col, slice_end0, slice_end1, NUM_SLICES: tl.constexpr):
 def _lora_expand_kernel(
     h_ptr,
     b_ptr,
+    slots_ptr,
     row_ids_ptr,
     slot_starts_ptr,
     scales_ptr,
     y_ptr,
     counts_ptr,
+    num_tokens,
     out_features,
     rank,
     slice_rank,
@@ -42,6 +44,7 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_SLICES: tl.constexpr,
+    ONE_TILE: tl.constexpr,
 ):
     # Programs as in the shrink: (slot, tile of that slot's rows, tile of output columns), so
     # every row of y is written by one program per column tile. B is block-diagonal over a fused
@@ -49,13 +52,20 @@ def _lora_expand_kernel(
     # rank 16, 16 columns of h and B, whatever the layer's stacked rank.
     slot = tl.program_id(0)
     tile = tl.program_id(1)
-    first = tl.load(slot_starts_ptr + slot) + tile * BLOCK_M
-    end = tl.load(slot_starts_ptr + slot + 1)
-    if first >= end:
-        return
-    offs = first + tl.arange(0, BLOCK_M)
-    is_row = offs < end
-    rows = tl.load(row_ids_ptr + offs, mask=is_row, other=0).to(tl.int64)
+    if ONE_TILE:  # the batch fits one tile: its rows' slots are one load, not two
+        offs = tl.arange(0, BLOCK_M)
+        is_row = tl.load(slots_ptr + offs, mask=offs < num_tokens, other=-1) == slot
+        if tl.max(is_row.to(tl.int32), axis=0) == 0:
+            return
+        rows = offs.to(tl.int64)
+    else:
+        first = tl.load(slot_starts_ptr + slot) + tile * BLOCK_M
+        end = tl.load(slot_starts_ptr + slot + 1)
+        if first >= end:
+            return
+        offs = first + tl.arange(0, BLOCK_M)
+        is_row = offs < end
+        rows = tl.load(row_ids_ptr + offs, mask=is_row, other=0).to(tl.int64)
     col0 = tl.program_id(2) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     col_slice = _slice_of(cols, slice_end0, slice_end1, NUM_SLICES)
@@ -64,6 +74,10 @@ def _lora_expand_kernel(
     k_hi = (_slice_of(last_col, slice_end0, slice_end1, NUM_SLICES) + 1) * slice_rank
     ks = tl.arange(0, BLOCK_K)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    # y's load goes out with h's and B's, not after the product.
+    mask = is_row[:, None] & (cols[None, :] < out_features)
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + ks
@@ -80,17 +94,15 @@ def _lora_expand_kernel(
             other=0.0,
         )
         acc += tl.dot(h.to(b.dtype), b)
-    scale = tl.load(scales_ptr + slot)
-    mask = is_row[:, None] & (cols[None, :] < out_features)
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
     # The last program of this tile to have read h zeroes its rows for the next shrink.
-    # NOTE: the barrier puts every thread's reads of h (whose values the store above used)
-    # before the count's release; the count of a tile goes back to zero with it.
+    # NOTE: the barrier puts every thread's reads of h (whose values the product used) before
+    # the count's release; the count of a tile goes back to zero with it.
     tl.debug_barrier()
     count_ptr = counts_ptr + slot * stride_cs + tile
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+    count = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    scale = tl.load(scales_ptr + slot)
+    tl.store(y_ptrs, (y + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
+    if count == tl.num_programs(2) - 1:
         for k0 in range(0, rank, BLOCK_K):
             k = k0 + ks
             zeros = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -105,8 +117,7 @@ def _lora_expand_kernel(
 def lora_expand_triton(
     h: torch.Tensor,
     lora_b: torch.Tensor,
-    row_ids: torch.Tensor,
-    slot_starts: torch.Tensor,
+    index: LoRAIndex,
     scales: torch.Tensor,
     y: torch.Tensor,
     tile_counts: torch.Tensor,
@@ -115,7 +126,7 @@ def lora_expand_triton(
 ) -> None:
     """``h`` float32 [T, R] (the shrink's sums; zeroed on the rows with a slot), ``lora_b`` [S,
     N, R], block-diagonal over the slices ending at ``slice_ends`` (up to 3, the last N),
-    ``row_ids``/``slot_starts`` as the shrink's, ``scales`` float32 [S], ``y`` [T, N] (a column
+    ``index`` the step's (``ops.lora.LoRAIndex``), ``scales`` float32 [S], ``y`` [T, N] (a column
     slice of the layer's output is fine), added into; ``tile_counts`` int32 [S, >= T / 16],
     zero, and left so."""
     if h.dim() != 2 or lora_b.dim() != 3 or y.dim() != 2 or tile_counts.dim() != 2:
@@ -126,11 +137,13 @@ def lora_expand_triton(
         )
     num_tokens, rank = h.shape
     num_slots, out_features, _ = lora_b.shape
+    token_slots, row_ids, slot_starts = index
     num_tiles = triton.cdiv(num_tokens, config.block_m)
     if (
         lora_b.shape[2] != rank
         or y.shape != (num_tokens, out_features)
         or row_ids.shape[0] < num_tokens
+        or token_slots.shape[0] < num_tokens
         or slot_starts.shape != (num_slots + 1,)
         or scales.shape != (num_slots,)
         or tile_counts.shape[0] != num_slots
@@ -138,7 +151,8 @@ def lora_expand_triton(
     ):
         raise ValueError(
             f"lora_expand shapes disagree: h {tuple(h.shape)}, lora_b {tuple(lora_b.shape)}, "
-            f"y {tuple(y.shape)}, row_ids {tuple(row_ids.shape)}, slot_starts "
+            f"y {tuple(y.shape)}, slots {tuple(token_slots.shape)}, row_ids "
+            f"{tuple(row_ids.shape)}, slot_starts "
             f"{tuple(slot_starts.shape)}, scales {tuple(scales.shape)}, tile_counts "
             f"{tuple(tile_counts.shape)}"
         )
@@ -153,14 +167,12 @@ def lora_expand_triton(
     if (
         h.dtype != torch.float32
         or scales.dtype != torch.float32
-        or row_ids.dtype != torch.int32
-        or slot_starts.dtype != torch.int32
+        or any(t.dtype != torch.int32 for t in index)
         or tile_counts.dtype != torch.int32
     ):
         raise ValueError(
-            f"lora_expand needs float32 h and scales and int32 row_ids, slot_starts and "
-            f"tile_counts; got {h.dtype}, {scales.dtype}, {row_ids.dtype}, "
-            f"{slot_starts.dtype}, {tile_counts.dtype}"
+            f"lora_expand needs float32 h and scales and an int32 index and tile_counts; "
+            f"got {h.dtype}, {scales.dtype}, {[t.dtype for t in index]}, {tile_counts.dtype}"
         )
     if num_tokens == 0:
         return
@@ -169,11 +181,13 @@ def lora_expand_triton(
     _lora_expand_kernel[grid](
         h,
         lora_b,
+        token_slots,
         row_ids,
         slot_starts,
         scales,
         y,
         tile_counts,
+        num_tokens,
         out_features,
         rank,
         rank // num_slices,
@@ -188,6 +202,7 @@ def lora_expand_triton(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         NUM_SLICES=num_slices,
+        ONE_TILE=num_tiles == 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -7,16 +7,18 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.lora import ShrinkConfig
+from bastion.ops.lora import LoRAIndex, ShrinkConfig
 
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
+    slots_ptr,
     row_ids_ptr,
     slot_starts_ptr,
     h_ptr,
+    num_tokens,
     rank,
     hidden,
     split_k,
@@ -29,6 +31,7 @@ def _lora_shrink_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    ONE_TILE: tl.constexpr,
 ):
     # One program per (slot, tile of that slot's rows, K split and tile of rank columns): rows
     # come grouped by slot, so a tile is one adapter's GEMM, and a program past its slot's rows
@@ -36,15 +39,22 @@ def _lora_shrink_kernel(
     # program reads a short K range of x and A (one or two BLOCK_K steps) and adds its partial
     # product into h, which is zero on entry (the expand zeroes it after reading).
     slot = tl.program_id(0)
-    first = tl.load(slot_starts_ptr + slot) + tl.program_id(1) * BLOCK_M
-    end = tl.load(slot_starts_ptr + slot + 1)
-    if first >= end:
-        return
+    if ONE_TILE:  # the batch fits one tile: its rows' slots are one load, not two
+        offs = tl.arange(0, BLOCK_M)
+        is_row = tl.load(slots_ptr + offs, mask=offs < num_tokens, other=-1) == slot
+        if tl.max(is_row.to(tl.int32), axis=0) == 0:
+            return
+        rows = offs.to(tl.int64)
+    else:
+        first = tl.load(slot_starts_ptr + slot) + tl.program_id(1) * BLOCK_M
+        end = tl.load(slot_starts_ptr + slot + 1)
+        if first >= end:
+            return
+        offs = first + tl.arange(0, BLOCK_M)
+        is_row = offs < end
+        rows = tl.load(row_ids_ptr + offs, mask=is_row, other=0).to(tl.int64)
     split = tl.program_id(2) % split_k
     cols = (tl.program_id(2) // split_k) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs = first + tl.arange(0, BLOCK_M)
-    is_row = offs < end
-    rows = tl.load(row_ids_ptr + offs, mask=is_row, other=0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     a_base = a_ptr + slot.to(tl.int64) * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -74,14 +84,13 @@ def _lora_shrink_kernel(
 def lora_shrink_triton(
     x: torch.Tensor,
     lora_a: torch.Tensor,
-    row_ids: torch.Tensor,
-    slot_starts: torch.Tensor,
+    index: LoRAIndex,
     h: torch.Tensor,
     config: ShrinkConfig,
 ) -> None:
-    """``x`` [T, K], ``lora_a`` [S, R, K], ``row_ids`` int32 [>= T] and ``slot_starts`` int32
-    [S + 1] (``ops.lora.LoRAIndex``), ``h`` float32 [T, R], zero on the rows with a slot, which
+    """``x`` [T, K], ``lora_a`` [S, R, K], ``index`` the step's (``ops.lora.LoRAIndex``), ``h`` float32 [T, R], zero on the rows with a slot, which
     get their products added (``config.split_k`` > 1: by atomic adds, in no fixed order)."""
+    token_slots, row_ids, slot_starts = index
     if x.dim() != 2 or lora_a.dim() != 3 or h.dim() != 2 or row_ids.dim() != 1:
         raise ValueError(
             f"lora_shrink expects x [T, K], lora_a [S, R, K], h [T, R], row_ids [T]; got "
@@ -93,36 +102,41 @@ def lora_shrink_triton(
         lora_a.shape[2] != hidden
         or h.shape != (num_tokens, rank)
         or row_ids.shape[0] < num_tokens
+        or token_slots.shape[0] < num_tokens
         or slot_starts.shape != (num_slots + 1,)
     ):
         raise ValueError(
             f"lora_shrink shapes disagree: x {tuple(x.shape)}, lora_a {tuple(lora_a.shape)}, "
-            f"h {tuple(h.shape)}, row_ids {tuple(row_ids.shape)}, slot_starts "
+            f"h {tuple(h.shape)}, slots {tuple(token_slots.shape)}, row_ids "
+            f"{tuple(row_ids.shape)}, slot_starts "
             f"{tuple(slot_starts.shape)}"
         )
     if x.stride(1) != 1 or lora_a.stride(2) != 1 or h.stride(1) != 1:
         raise ValueError("lora_shrink needs the last dim of x, lora_a and h contiguous")
-    if h.dtype != torch.float32 or row_ids.dtype != torch.int32 or slot_starts.dtype != torch.int32:
+    if h.dtype != torch.float32 or any(t.dtype != torch.int32 for t in index):
         raise ValueError(
-            f"lora_shrink needs a float32 h and int32 row_ids and slot_starts; got {h.dtype}, "
-            f"{row_ids.dtype}, {slot_starts.dtype}"
+            f"lora_shrink needs a float32 h and an int32 index; got {h.dtype}, "
+            f"{[t.dtype for t in index]}"
         )
     if num_tokens == 0:
         return
     block_k = config.block_k
     k_per_split = triton.cdiv(triton.cdiv(hidden, config.split_k), block_k) * block_k
     split_k = triton.cdiv(hidden, k_per_split)  # no split without columns
+    num_tiles = triton.cdiv(num_tokens, config.block_m)
     grid = (
         num_slots,
-        triton.cdiv(num_tokens, config.block_m),
+        num_tiles,
         split_k * triton.cdiv(rank, config.block_n),
     )
     _lora_shrink_kernel[grid](
         x,
         lora_a,
+        token_slots,
         row_ids,
         slot_starts,
         h,
+        num_tokens,
         rank,
         hidden,
         split_k,
@@ -135,6 +149,7 @@ def lora_shrink_triton(
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
         IS_SPLIT=split_k > 1,
+        ONE_TILE=num_tiles == 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
