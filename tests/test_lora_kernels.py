@@ -221,6 +221,20 @@ def test_index_groups_rows_by_slot() -> None:
     assert row_ids.tolist() == [] and starts.tolist() == [0, 0, 0]
 
 
+def test_a_steps_index_lands_in_the_fixed_buffers() -> None:
+    # What captured graphs read in place: the slots (padding rows -1) and the rows by slot.
+    from bastion.core.lora.layers import LoRAState
+
+    state = LoRAState(max_loras=3, max_tokens=6, max_width=48, device=torch.device("cpu"))
+    state.set_rows(np.array([1, -1, 0, 1], dtype=np.int32))
+    assert state.index.token_slots.tolist() == [1, -1, 0, 1, -1, -1]
+    assert state.index.row_ids[:3].tolist() == [2, 0, 3]
+    assert state.index.slot_starts.tolist() == [0, 1, 3, 3] and state.is_active
+    state.set_rows(np.full(2, -1, dtype=np.int32))
+    assert state.index.token_slots.tolist() == [-1] * 6 and not state.is_active
+    assert state.index.slot_starts.tolist() == [0, 0, 0, 0]
+
+
 def test_k_is_spread_over_programs_while_rows_are_few() -> None:
     # Llama-3-8B: hidden 4096 (qkv, o, gate_up), 14336 (down); stacked ranks 48, 16, 32, 16.
     for hidden in (4096, 14336):
