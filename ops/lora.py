@@ -8,11 +8,15 @@ host, which knows every row's slot, builds the step's ``LoRAIndex`` (``build_lor
 
 The shrink's result ``h`` is float32 ``[T, R]`` in a persistent scratch that is zero between
 calls: the shrink adds into it (its K splits with atomic adds, so there is no memset launch),
-and the expand zeroes the rows it read once every program has read them.
+and the expand zeroes the rows it read once every program has read them. On Hopper both
+kernels use programmatic dependent launch: each grid starts while the kernel before it drains
+and reads the index and the adapter's weights meanwhile, its activations only after that
+kernel has ended. ``precompile_lora`` builds every variant a step can pick at start-up.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -45,9 +49,10 @@ class ShrinkConfig(NamedTuple):
     block_m: int  # rows of a tile (all one slot's)
     block_n: int  # rank columns of a tile
     block_k: int  # input columns a step of the K loop reads
-    split_k: int  # programs the K reduction is spread over (> 1: atomic adds into h)
+    split_k: int  # programs the K reduction is spread over (their atomic adds meet in h)
     num_warps: int
     num_stages: int
+    pdl: bool = True  # programmatic dependent launch, where the GPU has it (Hopper on)
 
 
 class ExpandConfig(NamedTuple):
@@ -56,6 +61,13 @@ class ExpandConfig(NamedTuple):
     block_k: int  # rank columns a step of the rank loop reads
     num_warps: int
     num_stages: int
+    pdl: bool = True
+
+
+@functools.cache
+def supports_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can start while the kernel before them drains (sm90 on)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 # Decode batches are latency-bound (a rank-16 adapter is ~4 MB a layer, read in microseconds):
@@ -64,8 +76,9 @@ class ExpandConfig(NamedTuple):
 # _SHRINK_PROGRAMS programs in all and _MAX_ATOMIC_ROWS rows of atomic adds (split * T); prefill
 # (from _PREFILL_TOKENS rows) walks K in steps of 64, splitting it only while the row tiles are
 # few, into ranges of at least _MIN_PREFILL_COLUMNS. Measured on an H200 (Llama-3.1-8B shapes,
-# rank 16, scripts/bench_lora_kernels.py --sweep): a decode shrink 2.0-2.5 us a launch, an empty
-# Triton launch 1.1 us; K in 16-32 ranges cost 0.3-2x more at batch 1-256.
+# rank 16, scripts/bench_lora_kernels.py --sweep): a decode shrink takes 2.0-2.7 us a launch
+# (an empty Triton launch 1.1 us); down_proj's at batch 256 8.3 us in 16 ranges of 896 columns,
+# 4.6 us in 112 of 128; at 2048 rows 85 us unsplit, 23 us in 8 ranges.
 _DECODE_SPLITS = 64
 _SHRINK_PROGRAMS = 256
 _MAX_ATOMIC_ROWS = 16384
@@ -96,8 +109,10 @@ def shrink_config(num_tokens: int, hidden: int, rank: int) -> ShrinkConfig:
         max(1, _SHRINK_PROGRAMS // tiles),
         max(1, _MAX_ATOMIC_ROWS // num_tokens),
     )
-    if split * block_k < hidden and num_stages == 1:
-        num_stages = 2  # several K steps a program: load the next while one multiplies
+    if split * block_k < hidden and num_stages == 1 and block_m * block_k <= 8192:
+        # Several K steps a program: load the next while one multiplies (not for 64 x 256
+        # tiles: two stages of those take 120 KB of shared memory, one program an SM).
+        num_stages = 2
     return ShrinkConfig(block_m, block_n, block_k, split, 4, num_stages)
 
 
@@ -115,6 +130,56 @@ def expand_config(num_tokens: int, out_features: int, slice_rank: int) -> Expand
 def max_row_tiles(max_tokens: int) -> int:
     """Row tiles a slot can have in a batch of up to ``max_tokens`` (the expand's counters)."""
     return -(-max_tokens // 16)
+
+
+def kernel_variants(
+    max_tokens: int, hidden: int, rank: int, out_features: int, num_slices: int
+) -> list[tuple[int, ShrinkConfig, ExpandConfig]]:
+    """``(rows, shrink config, expand config)`` for each kernel variant a batch of up to
+    ``max_tokens`` rows picks: a variant is the configs but the split (a runtime value, as the
+    batch size is) and whether the batch is one tile; ``rows`` is a batch that builds it."""
+    variants, seen = [], set()
+    for num_tokens in range(1, max_tokens + 1):
+        s_config = shrink_config(num_tokens, hidden, rank)
+        e_config = expand_config(num_tokens, out_features, rank // num_slices)
+        # NOTE: both kernels tile rows alike; one row past a tile stands for any larger batch.
+        is_one_tile = num_tokens <= s_config.block_m
+        key = (s_config._replace(split_k=0), e_config, is_one_tile)
+        if key not in seen:
+            seen.add(key)
+            rows = num_tokens if is_one_tile else s_config.block_m + 1
+            variants.append((rows, s_config, e_config))
+    return variants
+
+
+def precompile_lora(
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_ends: tuple[int, ...],
+    index: LoRAIndex,
+    scales: torch.Tensor,
+    tile_counts: torch.Tensor,
+    max_tokens: int,
+) -> None:
+    """Launch one layer's shrink and expand once for each of ``kernel_variants``, so that
+    Triton builds them at start-up, not in a step (a build takes about a second). ``index``
+    must have no row in a slot: then the kernels read and write nothing."""
+    if not use_triton(lora_a, lora_b, *index, scales, tile_counts):
+        return
+    shrink = triton_launcher("lora_shrink", "lora_shrink_triton")
+    expand = triton_launcher("lora_expand", "lora_expand_triton")
+    if shrink is None or expand is None:
+        return
+    rank, hidden = lora_a.shape[1:]
+    out_features = lora_b.shape[1]
+    for rows, s_config, e_config in kernel_variants(
+        max_tokens, hidden, rank, out_features, len(slice_ends)
+    ):
+        x = torch.zeros(rows, hidden, dtype=lora_a.dtype, device=lora_a.device)
+        h = torch.zeros(rows, rank, dtype=torch.float32, device=lora_a.device)
+        y = torch.zeros(rows, out_features, dtype=lora_a.dtype, device=lora_a.device)
+        shrink(x, lora_a, index, h, s_config)
+        expand(h, lora_b, index, scales, y, tile_counts, slice_ends, e_config)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRAIndex, h: torch.Tensor) -> None:

@@ -11,8 +11,9 @@ rank ``--rank`` on every module, ``--num-slots`` device slots with the rows spre
 ``--adapters`` of them. Every time is a CUDA graph of ``--layers`` launches, each with its own
 layer's weights (as a decode step replays them; one layer's adapters would sit in L2), replayed
 ``--iters`` times: graph launch overhead included, host overhead not. "step" is the whole
-decode step's LoRA (every layer's 4 shrinks and 4 expands in order) against the 4 base matmuls
-of every layer. ``--sweep`` times each candidate tile the same way and prints the best three.
+decode step's linear layers (every layer's 4 base matmuls, each followed by its shrink and
+expand) against the matmuls alone, with and without programmatic dependent launch.
+``--sweep`` times each candidate tile the same way and prints the best three.
 """
 
 from __future__ import annotations
@@ -196,15 +197,22 @@ class Case:
             iters,
         )
 
-    def time_step(self, layers: int, iters: int) -> float:
-        """Microseconds of one decode step's LoRA: every layer's pairs, in order."""
-        configs = {name: self.configs(name) for name in self.shapes}
+    def time_step(self, layers: int, iters: int, lora: bool, pdl: bool = True) -> float:
+        """Microseconds of one decode step's linear layers: every layer's 4 base matmuls, each
+        followed (``lora``) by its shrink and expand, in order, as the model runs them (with
+        ``pdl``, the adapter kernels overlap the kernel before them)."""
+        configs = {
+            name: tuple(c._replace(pdl=pdl) for c in self.configs(name)) for name in self.shapes
+        }
 
         def step() -> None:
             for i in range(layers):
                 for name, (shrink, expand) in configs.items():
-                    self.shrink(name, i, shrink)
-                    self.expand(name, i, expand)
+                    w = self.w[name][i % len(self.w[name])]
+                    torch.mm(self.x[name], w.t(), out=self.y[name])
+                    if lora:
+                        self.shrink(name, i, shrink)
+                        self.expand(name, i, expand)
 
         return graph_us(step, 1, iters)
 
@@ -315,12 +323,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{s_bytes / bw * 1e6:>6.2f} {e_us:>8.2f} {e_bytes / bw * 1e6:>6.2f} "
                     f"{base:>8.2f}  {tuple(shrink)} / {tuple(expand)}"
                 )
-            step = case.time_step(args.layers, args.iters)
-            base_step = sum(case.time_base(n, args.layers, args.iters) for n in case.shapes)
+            base = case.time_step(args.layers, args.iters, lora=False)
+            pdl = case.time_step(args.layers, args.iters, lora=True)
+            plain = case.time_step(args.layers, args.iters, lora=True, pdl=False)
             print(
-                f"{num_tokens:>5} {adapters:>8} step     LoRA {step:.0f} us for {args.layers} "
-                f"layers ({step / (8 * args.layers):.2f} us a launch), base matmuls "
-                f"{base_step * args.layers:.0f} us: +{step / (base_step * args.layers):.1%}"
+                f"{num_tokens:>5} {adapters:>8} step     {args.layers} layers' matmuls "
+                f"{base:.0f} us; with LoRA {pdl:.0f} us (+{pdl / base - 1:.1%}, "
+                f"{(pdl - base) / (8 * args.layers):.2f} us a launch), without PDL {plain:.0f} us "
+                f"(+{plain / base - 1:.1%})"
             )
             if args.sweep and num_tokens in sweep_batches:
                 sweep(case, args.layers, args.iters)

@@ -28,6 +28,7 @@ from bastion.ops.lora import (
     ShrinkConfig,
     build_lora_index,
     expand_config,
+    kernel_variants,
     lora_expand_ref,
     lora_shrink_ref,
     max_row_tiles,
@@ -249,6 +250,20 @@ def test_k_is_spread_over_programs_while_rows_are_few() -> None:
         assert shrink_config(16384, hidden, 48).split_k == 1
     assert shrink_config(8, 64, 16).split_k == 1  # one K step: nothing to split
     assert expand_config(8, 4096, 16).block_k == 16 and expand_config(8, 4096, 64).block_k == 64
+
+
+def test_few_kernel_variants_cover_every_batch_size() -> None:
+    # Start-up builds these (precompile_lora); a step of any size must need no other, or
+    # Triton builds one in the middle of serving. Llama-3-8B's down_proj, 16384-token budget.
+    variants = kernel_variants(16384, 14336, 16, 4096, 1)
+    assert len(variants) <= 8
+    keys = {(s._replace(split_k=0), e, rows <= s.block_m) for rows, s, e in variants}
+    for num_tokens in (1, 7, 16, 17, 100, 128, 129, 256, 300, 1000, 2047, 2048, 9000, 16384):
+        shrink, expand = shrink_config(num_tokens, 14336, 16), expand_config(num_tokens, 4096, 16)
+        key = (shrink._replace(split_k=0), expand, num_tokens <= shrink.block_m)
+        assert key in keys
+    for rows, shrink, _ in variants:  # each is built by a batch of its own kind
+        assert (rows <= shrink.block_m) == (shrink_config(rows, 14336, 16).block_m >= rows)
 
 
 def test_launchers_check_shapes_and_dtypes() -> None:

@@ -7,7 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.lora import ExpandConfig, LoRAIndex
+from bastion.ops.lora import ExpandConfig, LoRAIndex, supports_pdl
+
+try:
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # a Triton without grid dependency control: USE_PDL stays False
+    gdc_wait = None
 
 
 @triton.jit
@@ -19,7 +24,7 @@ def _slice_of(col, slice_end0, slice_end1, NUM_SLICES: tl.constexpr):
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a variant per batch size would compile in a step
 def _lora_expand_kernel(
     h_ptr,
     b_ptr,
@@ -45,23 +50,35 @@ def _lora_expand_kernel(
     BLOCK_K: tl.constexpr,
     NUM_SLICES: tl.constexpr,
     ONE_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Programs as in the shrink: (slot, tile of that slot's rows, tile of output columns), so
     # every row of y is written by one program per column tile. B is block-diagonal over a fused
     # layer's slices, so a column tile reads only the rank blocks of the slices it spans: for
     # rank 16, 16 columns of h and B, whatever the layer's stacked rank.
+    # With programmatic dependent launch this grid starts while the shrink runs: the index, B
+    # and the scale load meanwhile; h and y only once the shrink (which waited for the base
+    # matmul) has ended.
     slot = tl.program_id(0)
     tile = tl.program_id(1)
     if ONE_TILE:  # the batch fits one tile: its rows' slots are one load, not two
         offs = tl.arange(0, BLOCK_M)
         is_row = tl.load(slots_ptr + offs, mask=offs < num_tokens, other=-1) == slot
         if tl.max(is_row.to(tl.int32), axis=0) == 0:
+            # One program always waits, so the grid ends after the one before it.
+            if USE_PDL:  # noqa: SIM102 - a constexpr branch (no wait is built without PDL)
+                if tl.program_id(0) + tl.program_id(1) + tl.program_id(2) == 0:
+                    gdc_wait()
             return
         rows = offs.to(tl.int64)
     else:
         first = tl.load(slot_starts_ptr + slot) + tile * BLOCK_M
         end = tl.load(slot_starts_ptr + slot + 1)
         if first >= end:
+            # One program always waits, so the grid ends after the one before it.
+            if USE_PDL:  # noqa: SIM102 - a constexpr branch (no wait is built without PDL)
+                if tl.program_id(0) + tl.program_id(1) + tl.program_id(2) == 0:
+                    gdc_wait()
             return
         offs = first + tl.arange(0, BLOCK_M)
         is_row = offs < end
@@ -73,26 +90,27 @@ def _lora_expand_kernel(
     k_lo = _slice_of(col0, slice_end0, slice_end1, NUM_SLICES) * slice_rank
     k_hi = (_slice_of(last_col, slice_end0, slice_end1, NUM_SLICES) + 1) * slice_rank
     ks = tl.arange(0, BLOCK_K)
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs
-    # y's load goes out with h's and B's, not after the product.
-    mask = is_row[:, None] & (cols[None, :] < out_features)
+    h_ptrs = h_ptr + rows[:, None] * stride_ht + ks[None, :]
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
+    b_ptrs += ks[:, None]
+    col_mask = cols[None, :] < out_features
+    # The first rank step is peeled: its B load goes out before the wait.
+    k = k_lo + ks
+    b_mask = col_mask & (k[:, None] < k_hi) & (k[:, None] // slice_rank == col_slice[None, :])
+    b = tl.load(b_ptrs + k_lo, mask=b_mask, other=0.0)
+    scale = tl.load(scales_ptr + slot)
+    if USE_PDL:
+        gdc_wait()
+    mask = is_row[:, None] & col_mask
     y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    h = tl.load(h_ptrs + k_lo, mask=is_row[:, None] & (k[None, :] < k_hi), other=0.0)
+    acc = tl.dot(h.to(b.dtype), b, out_dtype=tl.float32)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + ks
-        h = tl.load(
-            h_ptr + rows[:, None] * stride_ht + k[None, :],
-            mask=is_row[:, None] & (k[None, :] < k_hi),
-            other=0.0,
-        )
-        b = tl.load(
-            b_base + cols[None, :].to(tl.int64) * stride_bn + k[:, None],
-            mask=(cols[None, :] < out_features)
-            & (k[:, None] < k_hi)
-            & (k[:, None] // slice_rank == col_slice[None, :]),
-            other=0.0,
-        )
+        h = tl.load(h_ptrs + k0, mask=is_row[:, None] & (k[None, :] < k_hi), other=0.0)
+        b_mask = col_mask & (k[:, None] < k_hi) & (k[:, None] // slice_rank == col_slice[None, :])
+        b = tl.load(b_ptrs + k0, mask=b_mask, other=0.0)
         acc += tl.dot(h.to(b.dtype), b)
     # The last program of this tile to have read h zeroes its rows for the next shrink.
     # NOTE: the barrier puts every thread's reads of h (whose values the product used) before
@@ -100,7 +118,6 @@ def _lora_expand_kernel(
     tl.debug_barrier()
     count_ptr = counts_ptr + slot * stride_cs + tile
     count = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    scale = tl.load(scales_ptr + slot)
     tl.store(y_ptrs, (y + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
     if count == tl.num_programs(2) - 1:
         for k0 in range(0, rank, BLOCK_K):
@@ -139,6 +156,7 @@ def lora_expand_triton(
     num_slots, out_features, _ = lora_b.shape
     token_slots, row_ids, slot_starts = index
     num_tiles = triton.cdiv(num_tokens, config.block_m)
+    use_pdl = config.pdl and gdc_wait is not None and supports_pdl(h.device)
     if (
         lora_b.shape[2] != rank
         or y.shape != (num_tokens, out_features)
@@ -203,6 +221,8 @@ def lora_expand_triton(
         BLOCK_K=config.block_k,
         NUM_SLICES=num_slices,
         ONE_TILE=num_tiles == 1,
+        USE_PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=use_pdl,
     )
