@@ -193,6 +193,25 @@ def test_the_policy_configs_run_and_match() -> None:
         torch.testing.assert_close(y, y_ref, **TOL)
 
 
+def test_right_after_the_base_matmul() -> None:
+    # As a layer runs them: y = x W^T, then the shrink and the expand with no kernel between
+    # (on a Hopper GPU they start while the matmul drains and must still see its y), twice in
+    # a row through the same scratch.
+    x, a, b, index, scales = _batch(8, 48, 512, 96, (64, 80, 96), seed=5)
+    w = torch.randn(96, 512, device=DEVICE) * 0.05
+    h, counts = torch.zeros(8, 48, device=DEVICE), _counts(8)
+    for _ in range(2):
+        y = torch.empty(8, 96, device=DEVICE)
+        torch.mm(x, w.t(), out=y)
+        lora_shrink_triton(x, a, index, h, shrink_config(8, 512, 48))
+        lora_expand_triton(h, b, index, scales, y, counts, (64, 80, 96), expand_config(8, 96, 16))
+        h_ref, y_ref = torch.zeros_like(h), x @ w.t()
+        lora_shrink_ref(x, a, index.token_slots, h_ref)
+        lora_expand_ref(h_ref, b, index.token_slots, scales, y_ref)
+        torch.testing.assert_close(y, y_ref, **TOL)
+        assert bool((h == 0).all()) and bool((counts == 0).all())
+
+
 def test_expand_is_deterministic() -> None:
     # The same h gives bit-identical outputs run after run (the expand adds no atomics).
     x, a, b, index, scales = _batch(5, 16, 560, 40, (40,), seed=3)
