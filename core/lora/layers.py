@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from bastion.core.models.layers.linear import (
@@ -23,7 +24,13 @@ from bastion.core.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from bastion.ops.lora import lora_expand, lora_shrink, lora_split_k, max_split_scratch
+from bastion.ops.lora import (
+    LoRAIndex,
+    build_lora_index,
+    lora_expand,
+    lora_shrink,
+    max_row_tiles,
+)
 
 
 class Slice(NamedTuple):
@@ -33,29 +40,54 @@ class Slice(NamedTuple):
 
 
 class LoRAState:
-    """What every LoRA layer of one model shares: the per-token slot index of the current step
-    (a fixed device buffer, so captured graphs read it in place), the slots' scales, whether
-    this step has any adapter row at all (eager steps without one skip LoRA), and the scratch
-    the shrink's partials pass through to the expand (``max_width``: the widest layer's
-    stacked rank)."""
+    """What every LoRA layer of one model shares: the step's ``LoRAIndex`` (each row's slot and
+    the rows grouped by slot, fixed device buffers, so captured graphs read them in place), the
+    slots' scales, whether this step has any adapter row at all (eager steps without one skip
+    LoRA), and the scratch ``h`` passes through from shrink to expand (``max_width``: the widest
+    layer's stacked rank) with the expand's tile counters."""
 
     def __init__(
         self, max_loras: int, max_tokens: int, max_width: int, device: torch.device
     ) -> None:
-        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.max_tokens = max_tokens
+        # One buffer, so a step's index is one copy: [slot_starts | token_slots | row_ids].
+        self.index_buffer = torch.zeros(
+            max_loras + 1 + 2 * max_tokens, dtype=torch.int32, device=device
+        )
+        starts, token_slots, row_ids = self.index_buffer.split(
+            [max_loras + 1, max_tokens, max_tokens]
+        )
+        token_slots.fill_(-1)
+        self.index = LoRAIndex(token_slots, row_ids, starts)
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.is_active = False
-        # NOTE: one buffer for every layer: a layer's expand reads it before the next layer's
-        # shrink writes it (one stream). Persistent, so captured graphs use it in place, and
-        # never zeroed: the shrink writes every partial the expand reads.
-        self.scratch = torch.zeros(
-            max_split_scratch(max_tokens) * max_width, dtype=torch.float32, device=device
+        # NOTE: one scratch for every layer: a layer's expand has read and zeroed it before the
+        # next layer's shrink adds into it (one stream). Zero between calls, persistent, so
+        # captured graphs use it in place; so are the counters.
+        self.scratch = torch.zeros(max_tokens * max_width, dtype=torch.float32, device=device)
+        self.tile_counts = torch.zeros(
+            max_loras, max_row_tiles(max_tokens), dtype=torch.int32, device=device
         )
 
-    def partials(self, num_tokens: int, hidden: int, width: int) -> torch.Tensor:
-        """The ``[SPLIT_K, T, width]`` view of the scratch for one layer's shrink."""
-        split_k = lora_split_k(num_tokens, hidden)
-        return self.scratch[: split_k * num_tokens * width].view(split_k, num_tokens, width)
+    def set_rows(self, token_slots: np.ndarray) -> None:
+        """This step's slot of every row, from the first (later rows, a graph's padding, get
+        -1), with the rows grouped by slot: one copy to the device, not waited for."""
+        n = len(token_slots)
+        if n > self.max_tokens:
+            raise RuntimeError(f"a step of {n} rows exceeds the LoRA index of {self.max_tokens}")
+        num_slots = self.scales.shape[0]
+        row_ids, starts = build_lora_index(token_slots, num_slots)
+        pad = np.full(self.max_tokens - n, -1, dtype=np.int32)
+        host = np.concatenate([starts, np.asarray(token_slots, dtype=np.int32), pad, row_ids])
+        copy = torch.from_numpy(host)
+        if self.index_buffer.is_cuda:
+            copy = copy.pin_memory()
+        self.index_buffer[: len(host)].copy_(copy, non_blocking=True)
+        self.is_active = len(row_ids) > 0
+
+    def h(self, num_tokens: int, width: int) -> torch.Tensor:
+        """The ``[T, width]`` view of the scratch for one layer's shrink and expand."""
+        return self.scratch[: num_tokens * width].view(num_tokens, width)
 
 
 class LoRASlots:
@@ -74,6 +106,8 @@ class LoRASlots:
         self.slices = slices
         self.state = state
         self.max_rank = max_rank
+        # NOTE: the slices tile the output in order from column 0, as lora_slices makes them.
+        self.slice_ends = tuple(part.offset + part.size for part in slices)
         num_slots = state.scales.shape[0]
         input_size = layer.weight.shape[1]
         output_size = layer.weight.shape[0]
@@ -81,7 +115,7 @@ class LoRASlots:
             num_slots, len(slices) * max_rank, input_size, dtype=dtype, device=device
         )
         # B is block-diagonal over the slices (slice i's columns read only rank block i), so one
-        # expand launch serves a fused layer; the zero blocks cost a few MB of reads a step.
+        # expand launch serves a fused layer; the kernel reads only the blocks (slice_ends).
         self.lora_b = torch.zeros(
             num_slots, output_size, len(slices) * max_rank, dtype=dtype, device=device
         )
@@ -108,11 +142,12 @@ class LoRASlots:
         """Add each row's adapter delta into ``y`` (rows of slot -1 keep the base output)."""
         if not self.state.is_active:
             return
-        num_tokens = x.shape[0]
-        slots = self.state.token_slots[:num_tokens]
-        h = self.state.partials(num_tokens, x.shape[1], self.lora_a.shape[1])
-        lora_shrink(x, self.lora_a, slots, h)
-        lora_expand(h, self.lora_b, slots, self.state.scales, y)
+        state = self.state
+        h = state.h(x.shape[0], self.lora_a.shape[1])
+        lora_shrink(x, self.lora_a, state.index, h)
+        lora_expand(
+            h, self.lora_b, state.index, state.scales, y, state.tile_counts, self.slice_ends
+        )
 
 
 def lora_slices(layer: torch.nn.Module, modules: tuple[str, ...]) -> list[Slice]:

@@ -16,6 +16,7 @@ from bastion.core.config import LoRAConfig
 from bastion.core.lora.layers import LoRASlots, LoRAState, lora_slices, shard_lora
 from bastion.core.lora.peft import LoRAError, load_peft_adapter
 from bastion.ipc.messages import LoRARequest
+from bastion.ops.lora import precompile_lora
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,37 @@ class LoRAManager:
                 )
                 linear.lora = slots
                 self.layers[(index, path)] = slots
+        self._precompile(max_tokens)
         self.host: OrderedDict[int, _HostAdapter] = OrderedDict()
         self.slot_ids: list[int | None] = [None] * config.max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict(
             (s, None) for s in range(config.max_loras)
+        )
+
+    def _precompile(self, max_tokens: int) -> None:
+        """Build every kernel variant a step can pick now, not in the steps that first need
+        one (a Triton build takes about a second); no row is in a slot yet."""
+        if not self.state.index.row_ids.is_cuda:
+            return
+        shapes: dict[tuple, LoRASlots] = {}
+        for slots in self.layers.values():
+            key = (tuple(slots.lora_a.shape), tuple(slots.lora_b.shape), slots.slice_ends)
+            shapes.setdefault(key, slots)
+        start = time.perf_counter()
+        for slots in shapes.values():
+            precompile_lora(
+                slots.lora_a,
+                slots.lora_b,
+                slots.slice_ends,
+                self.state.index,
+                self.state.scales,
+                self.state.tile_counts,
+                max_tokens,
+            )
+        logger.info(
+            "LoRA kernels for %d layer shapes built in %.1f s",
+            len(shapes),
+            time.perf_counter() - start,
         )
 
     # ------------------------------------------------------------------ host cache
@@ -167,13 +195,4 @@ class LoRAManager:
     def set_token_slots(self, token_slots: np.ndarray) -> None:
         """This step's slot of every token row (padding included); LoRA runs in eager steps
         only when some row has an adapter."""
-        n = len(token_slots)
-        if n > self.state.token_slots.shape[0]:
-            raise RuntimeError(
-                f"a step of {n} rows exceeds the LoRA index of {self.state.token_slots.shape[0]}"
-            )
-        host = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int32))
-        if self.state.token_slots.is_cuda:
-            host = host.pin_memory()
-        self.state.token_slots[:n].copy_(host, non_blocking=True)
-        self.state.is_active = bool((token_slots >= 0).any())
+        self.state.set_rows(token_slots)
