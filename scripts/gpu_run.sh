@@ -210,7 +210,7 @@ for s in $STAGES; do
       $PY scripts/gpu_spec_check.py ;;
     lora) stage lora 420 'passed|failed|tok/s|ms|x base|Error|error' -- bash -c \
       "$PY -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py && \
-       $PY scripts/bench_lora.py --device cuda --profile" ;;
+       $PY scripts/bench_lora.py --device cuda --profile && $PY scripts/bench_lora_kernels.py" ;;
     # .whl/qwen3tok (carried, ignored by git): a tokenizer folder for the stand-in vocabulary;
     # made from the converted embedded model: copy tokenizer.json, tokenizer_config.json and
     # chat_template.jinja from ~/.cache/bastion/gguf/SmolLM2-*/, and configs/qwen3-0.6b's
