@@ -12,7 +12,10 @@ fires at once, as faults back to back would), so each row measures a promotion, 
 warm-up. ``kill_worker`` and ``kill_engine`` SIGKILL the serving processes by the pids that
 the status reports (never by title: a spare or another server's processes carry the same
 titles). ``none`` fires nothing: its identical count is what the numerics alone give (a greedy
-rerun in other batches; with dummy weights in bf16 near-ties flip, so compare against it).
+rerun in other batches). A stream that differs is shown with where it first differs, counted
+from what it had received at the fault: in bf16 a resumed stream's recomputed prefix (one
+prefill, not the decode steps that made it) can flip a near-tie later on, most often with
+dummy weights; text changed before the fault (< 0) would be a resume bug.
 Recovered means: every engine healthy, the faulted one at a new epoch (a dense DP engine
 recovers alone; the others keep their epoch). ``--repeat N`` runs the kinds in turn N times
 (the stress drill) and prints the slowest recovery last. Prints one table.
@@ -49,7 +52,11 @@ class Stream:
     num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    times: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    pieces: list[str] = field(default_factory=list)  # each chunk's text
+    times: list[float] = field(default_factory=list)  # and its arrival
+
+    def num_chars_before(self, t: float) -> int:
+        return sum(len(p) for p, at in zip(self.pieces, self.times) if at < t)
 
     def is_complete(self, max_tokens: int) -> bool:
         return (self.error is None and self.finish_reason == "length"
@@ -68,7 +75,8 @@ def stream(base: str, model: str, prompt: str, max_tokens: int, out: dict, key: 
                     "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}).encode(),
         {"Content-Type": "application/json"})
-    result, pieces = Stream(), []
+    result = Stream()
+    pieces = result.pieces
     try:
         with urllib.request.urlopen(req, timeout=600) as resp:
             for raw in resp:
@@ -161,11 +169,15 @@ def drill(base: str, model: str, kind: str, engine: int, prompts: list[str],
     for t in threads:
         t.join(max(1.0, 180 - (time.monotonic() - t0)))
     results = [out.get(p, Stream(error="no result")) for p in prompts]
-    complete = [r for p, r in zip(prompts, results) if r.is_complete(max_tokens)]
+    complete = [(r, reference[p]) for p, r in zip(prompts, results)
+                if r.is_complete(max_tokens)]
+    # Where each completed stream that differs first differs, in characters after the text it
+    # had received when the fault fired: < 0 would mean text before the fault changed.
+    after = [len(os.path.commonprefix([r.text, ref.text])) - r.num_chars_before(t0)
+             for r, ref in complete if r.text != ref.text]
     return {"kind": kind, "spare_s": spare_s, "detect_s": detect, "recover_s": recover,
             "phases": phases, "in_flight": len(prompts), "completed": len(complete),
-            "identical": sum(r.text == reference[p].text for p, r in zip(prompts, results)
-                             if r.is_complete(max_tokens)),
+            "identical": len(complete) - len(after), "differ_after": after,
             "max_gap_s": max(r.max_gap for r in results),
             "errors": sorted({r.error for r in results if r.error})}
 
@@ -214,6 +226,10 @@ def main() -> None:
                   f"{r['in_flight']:>9} {r['completed']:>9} {r['identical']:>9}", flush=True)
             for error in r["errors"]:
                 print(f"    {kind}: a stream ended with: {error}", flush=True)
+            if r["differ_after"]:
+                print(f"    {kind}: {len(r['differ_after'])} completed stream(s) differ from the "
+                      f"reference, first at {sorted(r['differ_after'])} characters after what "
+                      "they had at the fault", flush=True)
     if args.repeat > 1:
         print(f"slowest recovery of {args.repeat * len(args.kinds)}: {slowest:.2f} s")
 
