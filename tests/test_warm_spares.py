@@ -68,10 +68,16 @@ def server():
 def serving(server: ServerProcess) -> dict:
     """The engine's status, checked against the process titles: its pids are the serving
     ones (a promoted spare takes its role's title)."""
-    engine = status(server)[0]
-    titles = pids_by_title(server)
-    assert engine["pid"] == titles["bastion::engine-0"]
-    assert engine["worker_pids"] == [titles["bastion::worker-0-0"]]
+    # NOTE: read again for a moment: once (1 run in 9 on a loaded host) no process showed
+    # the worker's title right after a recovery, with the status already right.
+    deadline = time.monotonic() + 5.0
+    while True:
+        engine, titles = status(server)[0], pids_by_title(server)
+        expected = (titles.get("bastion::engine-0"), [titles.get("bastion::worker-0-0")])
+        if (engine["pid"], engine["worker_pids"]) == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (engine["pid"], engine["worker_pids"]) == expected, (engine, titles)
     return engine
 
 
@@ -143,7 +149,8 @@ def test_kill_9_promotes_the_spare_even_warming_and_a_killed_idle_spare_is_repla
         assert after["last_recovery_phases"]["spare_wait"] > 0
         log = server.log_tail(10_000_000)
         assert "promoting the warm spare while it is still warming up" in log
-        assert re.findall(r"fault detected: (\S+) exited with code -9", log)[-1] == (
+        # (The busy loop's WorkerFailure or the control thread's check: either names it.)
+        assert re.findall(r"fault detected: .*?(bastion::\S+) exited with code -9", log)[-1] == (
             "bastion::worker-0-0")
 
     # Every set's worker spare started with the engine spare, not after its imports.
