@@ -165,6 +165,7 @@ class PeerKind(enum.IntEnum):
     FATAL = 6
     APPLY = 7
     INJECT = 8
+    PROCESSES = 9
 
 
 class PeerHello(msgspec.Struct, tag=int(PeerKind.HELLO), **_WIRE):
@@ -238,6 +239,26 @@ class InjectRequest(msgspec.Struct, tag=int(PeerKind.INJECT), **_WIRE):
     kind: FaultInjection
 
 
+class SpareState(enum.IntEnum):
+    """An engine's warm spare (its worker spares included), as its sentinel sees it."""
+
+    OFF = 0  # --ft-warm-spares 0, or too little host memory for one
+    NONE = 1  # none now: the next starts once the engine is up (or a dead one is replaced)
+    WARMING = 2  # started, not yet past its imports (a promotion waits for it)
+    READY = 3  # waiting for its launch
+
+
+class EngineProcesses(msgspec.Struct, tag=int(PeerKind.PROCESSES), **_WIRE):
+    """A sentinel -> its API process, whenever it changes: the processes behind its engine
+    (``/fault_tolerance/status`` shows them; drills kill the serving ones by pid) and the state
+    of its warm spare."""
+
+    engine_id: int
+    pid: int = 0
+    worker_pids: list[int] = []
+    spare: SpareState = SpareState.OFF
+
+
 PeerMessage = (
     PeerHello
     | FaultReport
@@ -248,4 +269,5 @@ PeerMessage = (
     | GroupFatal
     | ApplyRequest
     | InjectRequest
+    | EngineProcesses
 )

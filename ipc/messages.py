@@ -409,6 +409,7 @@ class Ready(msgspec.Struct, **_WIRE):
     rank: int
     pid: int
     info: dict[str, int] = {}
+    child_pids: list[int] = []  # an engine's: its workers', by rank
 
 
 class Failure(msgspec.Struct, **_WIRE):

@@ -3,8 +3,10 @@
 
 Sets the title, ties its life to the parent, imports its role's modules, performs the
 HELLO/HANDSHAKE part of start-up and hands over to the role's main function (which says READY
-when it is). A warm spare (``SpareSettings``) does everything up to HELLO at once (an engine
-spare also starts its own worker spares) and then waits, as long as it takes, for HANDSHAKE.
+when it is). A warm spare (``SpareSettings``) does everything up to HELLO at once and then
+waits, as long as it takes, for HANDSHAKE. An engine spare starts its own worker spares first
+thing, so they warm up beside it, and says HELLO (is ready) only once they are; if one of them
+exits, it exits too, and its sentinel starts a new set.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import traceback
 import msgspec
 import zmq
 
-from bastion.core.config import ConfigError, EngineConfig
+# NOTE: nothing here imports torch (bastion.core.config does, ~3 s on a loaded host): an
+# engine spare spawns its worker spares before that.
 from bastion.ipc.codec import encode
 from bastion.ipc.messages import Failure
 from bastion.procs.lifecycle import (
+    SpareLost,
     Spares,
     SpareSettings,
     child_handshake,
@@ -52,16 +56,25 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if role not in _MAINS:
         raise ValueError(f"unknown role {role!r}")
+    ctx = zmq.Context.instance()
+    worker_spares = None
+    if spare is not None and role == "engine" and spare.num_workers > 0:
+        worker_spares = _start_worker_spares(spare, ctx)
+    from bastion.core.config import ConfigError, EngineConfig
+
     module, name = _MAINS[role]
     role_main = getattr(importlib.import_module(module), name)
-    ctx = zmq.Context.instance()
-    extra = {}
+    extra, check = {}, None
     if spare is not None:
-        extra = _prepare_spare(role, rank, spare, ctx)
-        logger.info("%s: warm spare ready in %.1f s (host RSS %.0f MiB)", title,
-                    time.perf_counter() - start, _rss_mib())
-    handshake, info = child_handshake(ctx, address, role, rank,
-                                      timeout_s=None if spare is not None else 60.0)
+        _warm_up(role, rank, title, spare, worker_spares, start)
+        if worker_spares is not None:
+            extra, check = {"worker_spares": worker_spares}, worker_spares.check_alive
+    try:
+        handshake, info = child_handshake(ctx, address, role, rank,
+                                          timeout_s=None if spare is not None else 60.0,
+                                          check=check)
+    except SpareLost as exc:
+        _lost(title, exc)
     if spare is not None:
         title = spare.title
         set_process_title(title)
@@ -89,9 +102,44 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
 
 
-def _prepare_spare(role: str, rank: int, spare: SpareSettings, ctx: zmq.Context) -> dict:
-    """What a spare does before it waits: the imports that loading a model config pulls in,
-    device initialisation (a worker on a GPU) and its own worker spares (an engine)."""
+def _start_worker_spares(spare: SpareSettings, ctx: zmq.Context) -> Spares:
+    settings = {r: SpareSettings(f"bastion::worker-{spare.engine_id}-{r}", spare.device,
+                                 engine_id=spare.engine_id, tp_size=spare.tp_size,
+                                 config_json=spare.config_json)
+                for r in range(spare.num_workers)}
+    address = ipc_address(spare.runtime_dir, f"engine{spare.engine_id}-ws-{os.getpid()}")
+    return Spares(ctx, address, "worker", settings)
+
+
+def _warm_up(role: str, rank: int, title: str, spare: SpareSettings,
+             worker_spares: Spares | None, start: float) -> None:
+    """Everything a spare does before its HELLO (an engine spare: until its worker spares
+    said theirs)."""
+    _prepare_spare(role, rank, spare)
+    own_s = time.perf_counter() - start
+    if worker_spares is not None:
+        try:
+            worker_spares.wait_ready()
+        except SpareLost as exc:
+            _lost(title, exc)
+    logger.info("%s: warm spare ready %.1f s after its spawn (%.1f s of its own%s; host RSS "
+                "%.0f MiB)", title, time.time() - spare.spawned_at, own_s,
+                f", with {spare.num_workers} worker spare(s)" if worker_spares else "",
+                _rss_mib())
+
+
+def _lost(title: str, exc: SpareLost) -> None:
+    """A worker spare of this engine spare died: the set is incomplete, so it goes as a whole
+    (the sentinel replaces it; serving is not touched)."""
+    logger.warning("%s: its worker spare %s; exiting, to be replaced", title,
+                   str(exc).removeprefix("bastion::spare-"))
+    logging.shutdown()
+    os._exit(3)  # at once: its sentinel starts the next set when it sees the exit
+
+
+def _prepare_spare(role: str, rank: int, spare: SpareSettings) -> None:
+    """What a spare does before it waits: the imports that loading a model config pulls in
+    and device initialisation (a worker on a GPU)."""
     # NOTE: transformers imports a model type's config module (and with it hundreds of
     # modules) at its first lookup: measured 6-9 s of a promotion on a loaded 2-core host.
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -99,6 +147,7 @@ def _prepare_spare(role: str, rank: int, spare: SpareSettings, ctx: zmq.Context)
     for model_type in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         CONFIG_MAPPING[model_type]
     if spare.config_json:
+        from bastion.core.config import EngineConfig
         from bastion.core.loader import resolve_model
 
         try:  # memoized per process: the promoted spare finds it done
@@ -111,14 +160,6 @@ def _prepare_spare(role: str, rank: int, spare: SpareSettings, ctx: zmq.Context)
         index = (spare.engine_id * spare.tp_size + rank) % torch.cuda.device_count()
         torch.cuda.set_device(index)
         torch.empty(1, device=f"cuda:{index}")  # creates the context
-    if role == "engine" and spare.num_workers > 0:
-        settings = {r: SpareSettings(f"bastion::worker-{spare.engine_id}-{r}", spare.device,
-                                     engine_id=spare.engine_id, tp_size=spare.tp_size,
-                                     config_json=spare.config_json)
-                    for r in range(spare.num_workers)}
-        address = ipc_address(spare.runtime_dir, f"engine{spare.engine_id}-ws-{os.getpid()}")
-        return {"worker_spares": Spares(ctx, address, "worker", settings)}
-    return {}
 
 
 def _rss_mib() -> float:

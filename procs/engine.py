@@ -354,7 +354,8 @@ def run_engine(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
     handshake.send_multipart(encode(Ready("engine", engine_id, os.getpid(),
                                           {"num_blocks": core.num_blocks,
                                            "max_model_len": max_model_len,
-                                           **_start_timings(executor)})))
+                                           **_start_timings(executor)},
+                                          [w.proc.pid for w in executor.workers])))
     logger.info("engine %d ready in %.1f s", engine_id, time.perf_counter() - start)
     try:
         proc.run_busy_loop()

@@ -32,6 +32,7 @@ from bastion.core.output_processor import OutputProcessor, SeqDelta, fan_out
 from bastion.ipc.codec import MsgKind, decode, encode, shutdown_frames
 from bastion.ipc.control import (
     ApplyRequest,
+    EngineProcesses,
     FaultInjection,
     GroupFatal,
     GroupStatus,
@@ -136,6 +137,7 @@ class AsyncEngineClient:
         shown = range(self.dp_size) if self.is_coupled else self.engine_ids
         self._statuses = {i: EngineStatus(i, EngineState.STARTING) for i in shown}
         self._epochs = {i: 0 for i in self.engine_ids}  # the epoch each engine serves at
+        self._processes = {i: EngineProcesses(i) for i in self.engine_ids}  # by its sentinel
         self._submission_ids = itertools.count()
         self.fatal: str | None = None
         self.on_stats = None  # called with (engine index, stats) on every report (metrics)
@@ -364,6 +366,8 @@ class AsyncEngineClient:
                 self._on_fatal(msg.info or "recovery failed")
             elif isinstance(msg, GroupStatus):
                 self._on_status(msg)
+            elif isinstance(msg, EngineProcesses) and msg.engine_id in self._processes:
+                self._processes[msg.engine_id] = msg
 
     def _on_status(self, msg: GroupStatus) -> None:
         was_serving = set(self._serving())
@@ -436,7 +440,16 @@ class AsyncEngineClient:
         return [msgspec.structs.asdict(s) | {"state": s.state.name.lower(),
                                              "fault_kind": s.fault_kind.label,
                                              "num_requests": self._num_submitted.get(s.engine_id)}
-                for s in self._statuses.values()]
+                | self._processes_dict(s.engine_id) for s in self._statuses.values()]
+
+    def _processes_dict(self, engine_id: int) -> dict:
+        """The engine's serving pids and its warm spare (``off``, ``none``, ``warming``,
+        ``ready``), as its sentinel last said; nothing for an engine of another server."""
+        procs = self._processes.get(engine_id)
+        if procs is None:
+            return {}
+        return {"pid": procs.pid or None, "worker_pids": procs.worker_pids,
+                "spare": procs.spare.name.lower()}
 
     def inject(self, kind: str, engine: int) -> None:
         if engine not in self.cmd_sockets:

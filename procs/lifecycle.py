@@ -13,12 +13,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 
-from bastion.core.config import ConfigError
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.control import HandshakeInfo
 from bastion.ipc.messages import Failure, Hello, Ready
@@ -126,32 +126,72 @@ class SpareSettings(msgspec.Struct, omit_defaults=True):
     # The config it will most likely be launched with: the spare resolves its model ahead
     # (the file's digest, the converted cache, the HF config); the launch's config rules.
     config_json: str = ""
+    spawned_at: float = 0.0  # the parent's time.time() at the spawn (the spare logs its age)
+
+
+class SpareLost(RuntimeError):
+    """A spare process exited while it waited."""
 
 
 class Spares:
     """Children started ahead of need: past interpreter start, imports (and, on a GPU, device
-    initialisation), each waiting for its HANDSHAKE on one shared address. ``promote`` hands
-    every one its launch at once (the ranks of a group must start together) and waits for
-    READY; until then they cost memory, no CPU.
+    initialisation), each waiting for its HANDSHAKE on one shared address. A spare is ready
+    once it said HELLO (``poll`` reads the HELLOs without answering them). ``promote`` hands
+    every one its launch at once (the ranks of a group must start together), waiting for a
+    spare still warming up, and waits for READY; until then they cost memory, no CPU.
 
     NOTE: spawn (and so create) them on a thread that lives as long as they must: a child's
-    parent-death signal fires when the thread that forked it exits."""
+    parent-death signal fires when the thread that forked it exits. Only one thread at a time
+    may use a ``Spares`` (its socket): the sentinel's loop polls it, then hands it over."""
 
     def __init__(self, ctx: zmq.Context, address: str, role: str,
                  settings: dict[int, SpareSettings]) -> None:
         self.server = HandshakeServer(ctx, address)
-        self.children = [spawn_child(role, rank, f"bastion::spare-{s.title.split('::')[-1]}",
-                                     address, spare=s) for rank, s in settings.items()]
+        self.settings = settings
         self.started_at = time.monotonic()
+        self.ready_at: float | None = None  # when ``poll`` first saw every spare warm
+        self.waited_s = 0.0  # how long ``promote`` waited for a spare still warming up
+        self.children = []
+        for rank, s in settings.items():
+            s = msgspec.structs.replace(s, spawned_at=time.time())
+            self.children.append(spawn_child(role, rank,
+                                             f"bastion::spare-{s.title.split('::')[-1]}",
+                                             address, spare=s))
 
     def is_alive(self) -> bool:
         return all(c.is_alive() for c in self.children)
 
+    def check_alive(self) -> None:
+        """Raise ``SpareLost`` naming a spare that exited."""
+        for child in self.children:
+            if not child.is_alive():
+                raise SpareLost(f"{child.title} exited with code {child.proc.returncode}")
+
+    def poll(self) -> bool:
+        """True once every spare has said HELLO (is warm)."""
+        if self.ready_at is None:
+            self.server.poll_hellos()
+            if len(self.server.hello_at) == len(self.children):
+                self.ready_at = max(self.server.hello_at.values())
+        return self.ready_at is not None
+
+    def wait_ready(self) -> None:
+        """Block until every spare is warm; ``SpareLost`` if one exits first."""
+        while not self.poll():
+            self.check_alive()
+            self.server.socket.poll(200)
+
     def promote(self, infos: dict[int, HandshakeInfo], timeout_s: float) -> dict[int, Ready]:
+        t0 = time.monotonic()
         try:
-            return self.server.run(self.children, infos, timeout_s)
+            ready = self.server.run(self.children, infos, timeout_s)
         finally:
             self.server.close()
+        self.waited_s = max(0.0, max(self.server.hello_at.values(), default=t0) - t0)
+        # Promoted, a spare takes its role's title (also in the messages naming it).
+        for child in self.children:
+            child.title = self.settings[child.rank].title
+        return ready
 
     def kill(self) -> None:
         for child in self.children:
@@ -169,6 +209,20 @@ class HandshakeServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
         self.address = address
+        self.hello_at: dict[int, float] = {}  # rank -> when its HELLO arrived
+        self._unanswered: list[tuple[bytes, MsgKind, object]] = []  # read by poll_hellos
+
+    def _recv(self) -> tuple[bytes, MsgKind, object]:
+        identity, *frames = self.socket.recv_multipart()
+        kind, msg = decode(frames)
+        if kind == MsgKind.HELLO:
+            self.hello_at.setdefault(msg.rank, time.monotonic())
+        return identity, kind, msg
+
+    def poll_hellos(self) -> None:
+        """Read what the children sent so far without answering it (``run`` answers)."""
+        while not self.socket.closed and self.socket.poll(0):
+            self._unanswered.append(self._recv())
 
     def run(self, children: list[Child], info_for: dict[int, HandshakeInfo],
             timeout_s: float) -> dict[int, Ready]:
@@ -184,7 +238,7 @@ class HandshakeServer:
                 missing = [c.title for c in children if c.rank not in ready]
                 raise StartupError(f"{', '.join(missing)} did not become ready within "
                                    f"{timeout_s:.0f} s")
-            if not poller.poll(min(remaining, 0.2) * 1000):
+            if not self._unanswered and not poller.poll(min(remaining, 0.2) * 1000):
                 # NOTE: only once nothing is pending: a child that failed sent its FAILURE
                 # before it exited, and that message says more than its exit code.
                 for child in children:
@@ -193,8 +247,8 @@ class HandshakeServer:
                                            f"{child.proc.returncode} during start-up (see its "
                                            "log above)")
                 continue
-            identity, *frames = self.socket.recv_multipart()
-            kind, msg = decode(frames)
+            identity, kind, msg = (self._unanswered.pop(0) if self._unanswered
+                                   else self._recv())
             if kind == MsgKind.HELLO:
                 assert isinstance(msg, Hello)
                 self.socket.send_multipart([identity, *encode(info_for[msg.rank])])
@@ -205,6 +259,10 @@ class HandshakeServer:
                 assert isinstance(msg, Failure)
                 name = by_rank[msg.rank].title if msg.rank in by_rank else msg.role
                 if msg.is_user_error:
+                    # NOTE: imported here: a warm spare spawns its own spares before anything
+                    # pulls in torch (bastion.core.config does), so this module stays light.
+                    from bastion.core.config import ConfigError
+
                     raise ConfigError(msg.message)
                 raise StartupError(f"{name} failed to start: {msg.message}")
         return ready
@@ -215,15 +273,20 @@ class HandshakeServer:
 
 
 def child_handshake(ctx: zmq.Context, address: str, role: str, rank: int,
-                    timeout_s: float | None = 60.0) -> tuple[zmq.Socket, HandshakeInfo]:
+                    timeout_s: float | None = 60.0,
+                    check: Callable[[], None] | None = None) -> tuple[zmq.Socket, HandshakeInfo]:
     """The child's side: say HELLO, receive what to run and where (a spare: whenever it is
-    promoted, ``timeout_s=None``)."""
+    promoted, ``timeout_s=None``). ``check`` runs now and then while it waits (and may raise)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(address)
     sock.send_multipart(encode(Hello(role, rank, os.getpid())))
-    if not sock.poll(None if timeout_s is None else timeout_s * 1000):
-        raise StartupError(f"{role}-{rank}: no handshake reply from the parent")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not sock.poll(500):
+        if check is not None:
+            check()
+        if deadline is not None and time.monotonic() > deadline:
+            raise StartupError(f"{role}-{rank}: no handshake reply from the parent")
     kind, msg = decode(sock.recv_multipart())
     assert kind == MsgKind.HANDSHAKE and isinstance(msg, HandshakeInfo)
     return sock, msg

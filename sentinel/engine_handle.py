@@ -26,11 +26,13 @@ from bastion.ipc.control import (
     EngineCommand,
     EngineFault,
     EngineLaunch,
+    EngineProcesses,
     EngineReply,
     HandshakeInfo,
     Heartbeat,
     SentinelLaunch,
     ShutdownEngine,
+    SpareState,
 )
 from bastion.ipc.messages import FailureKind
 from bastion.procs.lifecycle import (
@@ -99,8 +101,9 @@ class EngineHandle:
         self.is_up = False  # started, READY and announced (until the next start)
         self.spare: Spares | None = None  # a warm spare engine (with its worker spares)
         self.num_spares_started = 0
-        self._last_spare_start = -1e9
+        self._spare_lost_at = -1e9  # when a spare last died soon after its start
         self.promoted = False  # the last start promoted a spare
+        self.worker_pids: list[int] = []  # of the running incarnation, once it is READY
         self._no_memory = False
         self._start_error: BaseException | None = None
         self.start_phases: dict[str, float] = {}
@@ -144,8 +147,15 @@ class EngineHandle:
         t0 = time.perf_counter()
         info = HandshakeInfo(encode_config(self.config), launch, self.engine_id)
         spare, self.spare = self.spare, None
+        self.worker_pids = []
         self.promoted = spare is not None and spare.is_alive()
         if self.promoted:
+            # NOTE: a spare still warming up is promoted all the same: it is ahead of a
+            # process started now (a fault soon after the last one finds it so).
+            if not spare.poll():
+                logger.warning("sentinel %d: promoting the warm spare while it is still "
+                               "warming up (started %.1f s ago)", self.engine_id,
+                               time.monotonic() - spare.started_at)
             self.child = spare.children[0]
             run = spare.promote
         else:
@@ -162,41 +172,59 @@ class EngineHandle:
                 finally:
                     handshake.close()
         self._starter = threading.Thread(target=self._run_handshake,
-                                         args=(run, info, timeout_s, t0), daemon=True,
-                                         name="engine-start")
+                                         args=(run, info, timeout_s, t0,
+                                               spare if self.promoted else None),
+                                         daemon=True, name="engine-start")
         self._starter.start()
 
-    def _run_handshake(self, run, info: HandshakeInfo, timeout_s: float, t0: float) -> None:
+    def _run_handshake(self, run, info: HandshakeInfo, timeout_s: float, t0: float,
+                       spare: Spares | None) -> None:
         try:
-            ready = run({self.engine_id: info}, timeout_s)
-            timings = ready[self.engine_id].info
+            ready = run({self.engine_id: info}, timeout_s)[self.engine_id]
+            timings = ready.info
             self.num_blocks = self.num_blocks or timings.get("num_blocks")
+            self.worker_pids = list(ready.child_pids)
             total = time.perf_counter() - t0
             phases = {
                 name: timings.get(f"{name}_ms", 0) / 1000 for name in ("load", "kv_cache", "graphs")
             }
+            # Waiting for a promoted spare to finish warming up is its own phase.
+            wait = {"spare_wait": spare.waited_s} if spare is not None and spare.waited_s else {}
+            if wait:
+                logger.warning("sentinel %d: the promoted spare was warm %.1f s after its "
+                               "promotion", self.engine_id, spare.waited_s)
             self.start_phases = {
-                "spawn_or_promote": max(0.0, total - sum(phases.values())),
+                **wait,
+                "spawn_or_promote": max(0.0, total - sum(phases.values()) - sum(wait.values())),
                 **phases,
             }
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which reports it
             self._start_error = exc
 
     def keep_spare(self) -> None:
-        """Keep a warm spare while the engine is up: start one when there is none, replace one
-        that died (serving is not touched). At most one start per ``_SPARE_RETRY_S``."""
+        """Keep a warm spare while the engine is up: start one as soon as there is none (so
+        right after a promotion, once the promoted engine is READY), note when it is warm, and
+        replace one that died idle; serving is never touched. A spare that died within
+        ``_SPARE_RETRY_S`` of its start is replaced that long after its death (no crash loop)."""
         if self.config.fault_tolerance.ft_warm_spares < 1 or not self.is_up or self._no_memory:
             return
-        if self.spare is not None and self.spare.is_alive():
-            return
         now = time.monotonic()
-        if now - self._last_spare_start < _SPARE_RETRY_S:
+        spare = self.spare
+        if spare is not None and spare.is_alive():
+            if spare.ready_at is None and spare.poll():
+                logger.info("sentinel %d: warm spare ready %.1f s after its start",
+                            self.engine_id, spare.ready_at - spare.started_at)
             return
-        if self.spare is not None:
-            codes = [c.proc.poll() for c in self.spare.children]
-            logger.warning("sentinel %d: the warm spare exited (code %s); starting another",
-                           self.engine_id, codes[0])
-            self.spare.kill()
+        if spare is not None:
+            codes = [c.proc.poll() for c in spare.children]
+            logger.warning("sentinel %d: the idle warm spare exited (code %s); starting "
+                           "another", self.engine_id, codes[0])
+            spare.kill()
+            self.spare = None
+            if now - spare.started_at < _SPARE_RETRY_S:
+                self._spare_lost_at = now
+        if now - self._spare_lost_at < _SPARE_RETRY_S:
+            return
         available = host_memory_available()
         if available is not None and available < _SPARE_MIN_HOST_BYTES:
             logger.warning("sentinel %d: no warm spare: %.1f GiB of host memory available, a "
@@ -204,7 +232,6 @@ class EngineHandle:
                            _SPARE_MIN_HOST_BYTES / 2**30)
             self._no_memory = True
             return
-        self._last_spare_start = now
         self.num_spares_started += 1
         tp = self.config.parallel.tensor_parallel_size
         settings = SpareSettings(f"bastion::engine-{self.engine_id}", self.config.model.device,
@@ -213,6 +240,19 @@ class EngineHandle:
         self.spare = Spares(self.ctx, ipc_address(
             self.runtime_dir, f"engine{self.engine_id}-spare-{self.num_spares_started}"),
             "engine", {self.engine_id: settings})
+
+    def spare_state(self) -> SpareState:
+        if self.config.fault_tolerance.ft_warm_spares < 1 or self._no_memory:
+            return SpareState.OFF
+        if self.spare is None or not self.spare.is_alive():
+            return SpareState.NONE
+        return SpareState.READY if self.spare.ready_at is not None else SpareState.WARMING
+
+    def processes(self) -> EngineProcesses:
+        """The serving processes (no pid while the engine is down) and the spare's state."""
+        pid = self.child.proc.pid if self.is_alive() else 0
+        return EngineProcesses(self.engine_id, pid, self.worker_pids if pid else [],
+                               self.spare_state())
 
     @property
     def is_starting(self) -> bool:

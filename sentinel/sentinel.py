@@ -20,6 +20,7 @@ from bastion.core.config import EngineConfig
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.control import (
     ApplyRequest,
+    EngineProcesses,
     FaultReport,
     GroupFatal,
     GroupStatus,
@@ -72,6 +73,7 @@ class Sentinel:
         self.reported: tuple[int, int] | None = None  # (incarnation, epoch) of the last report
         self.running = True
         self._last_heartbeat = 0.0
+        self._processes: EngineProcesses | None = None  # as last sent to the API
         self.poller = zmq.Poller()
         for sock in (self.engine.control, self.api_cmd, self.peers.socket):
             if sock is not None:
@@ -118,8 +120,8 @@ class Sentinel:
             self.engine.heartbeat()
         self._watch()
         self.engine.resend(now)
-        if self.orders.job is None:
-            self.engine.keep_spare()
+        self.engine.keep_spare()
+        self._report_processes()
         for done in self.orders.tick(now):
             self.peers.to_coordinator(done)
         if self.coordinator is not None:
@@ -135,6 +137,12 @@ class Sentinel:
         kind, info = fault
         logger.error("sentinel %d: fault detected: %s", self.rank, info)
         self.peers.to_coordinator(FaultReport(self.rank, self.engine.epoch, kind, info))
+
+    def _report_processes(self) -> None:
+        processes = self.engine.processes()
+        if processes != self._processes:
+            self._processes = processes
+            self.api_status.send_multipart(encode(processes))
 
     def _carry_out(self, orders) -> None:
         for rank, msg in orders:
