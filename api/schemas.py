@@ -360,7 +360,17 @@ class EngineStatusInfo(msgspec.Struct):
     epoch: int
     fault_info: str | None = None
     last_action: str | None = None
+    last_action_id: str | None = None
     last_action_error: str | None = None
+    fault_kind: str | None = None
+    # Seconds per phase of the engine's last recovery (spawn_or_promote, spare_wait, load,
+    # kv_cache, graphs, rejoin, total).
+    last_recovery_phases: dict[str, float] = {}
+    num_requests: int | None = None
+    # The serving engine and worker processes, and the warm spare: off, none, warming, ready.
+    pid: int | None = None
+    worker_pids: list[int] = []
+    spare: str | None = None
 
 
 class EngineStatusList(msgspec.Struct):
