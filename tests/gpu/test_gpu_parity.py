@@ -199,10 +199,14 @@ def test_bfloat16_logprobs_close_to_float32_reference(qwen3_folder: tuple[Path, 
           f"max gap to best {max(gaps):.4f}, tokens equal to fp32 greedy {same}/{len(errors)}")
     # NOTE: a MoE token's experts are a discrete choice: where two router logits of the
     # reference lie closer than bf16's rounding, bastion picks the other expert and that one
-    # step's logprob moves by up to ~0.4 nats (seen: one step of 205). Such steps are allowed
-    # up to 1 %; the mean and every step's distance to the best token stay as for the dense.
+    # step's logprob moves by up to ~0.4 nats. How many of the 205 steps land on such a tie
+    # depends on float32 summation order alone: 1 with the grouped kernels, 3 with the one-token
+    # matrix-vector MoE kernels, 4 with those and the decode-rows matmul (H200, session 13; the
+    # max gap to the best token, 0.0425, and the 183/205 tokens equal to the float32 greedy ones
+    # were the same in all three). Such steps are allowed up to 2.5 %; the mean and every step's
+    # distance to the best token stay as for the dense.
     outliers = sum(e >= 0.15 for e in errors)
-    assert outliers <= (len(errors) // 100 if kind == "qwen3_moe" else 0), max(errors)
+    assert outliers <= (len(errors) * 5 // 200 if kind == "qwen3_moe" else 0), max(errors)
     assert sum(errors) / len(errors) < 0.03
     assert max(gaps) < 0.15
 
