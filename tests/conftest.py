@@ -27,6 +27,22 @@ def embedded_gguf_path() -> str:
     return _embedded_gguf_path()
 
 
+@pytest.fixture(scope="session")
+def hf_gguf_model(embedded_gguf_path: str) -> torch.nn.Module:
+    """The reference for the embedded model: transformers' own GGUF loading path (its config
+    conversion, dequantization, renaming and q/k un-permutation) into its own LlamaForCausalLM,
+    float32. One per session: the load takes ~20 s on a 2-core CI box, and test_llm and
+    test_model_parity both compare against it (neither changes its weights)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(embedded_gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # generate() without an EOS stop: test_llm's references run the full max_new_tokens.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
 def tiny_config(kind: str, **overrides: Any) -> PretrainedConfig:
     """A small config of one supported architecture: 2-3 layers, GQA (4 query / 2 KV heads).
 

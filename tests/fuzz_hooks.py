@@ -4,7 +4,8 @@
   most 2 where the fuzzer chose a valid value (invalid ones pass untouched, they must get 400).
 - ``no_server_bug``: a 5xx is a failure unless it is one the API documents for a client's own
   choice or the server's state: 504 ``deadline_exceeded`` (the request's own ``timeout``) and
-  503 while draining or recovering. Every response is also counted into ``FUZZ_STATS_PATH``.
+  503 while draining or recovering. Every response is also counted into ``FUZZ_STATS_PATH``,
+  by status and by operation (``op <METHOD> <path template>``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def no_server_bug(ctx, response, case):
     with _lock:
         _counts["cases"] += 1
         _counts[f"status_{status}"] += 1
+        _counts[f"op {case.method.upper()} {case.path}"] += 1
         if status >= 500:
             _counts["5xx"] += 1
             if (status, _error_code(response)) not in _ALLOWED_5XX:

@@ -1,4 +1,5 @@
-"""Running as a systemd daemon: sd_notify order, watchdog, graceful drain and exit codes."""
+"""Running as a systemd daemon: sd_notify order, watchdog, graceful drain and exit codes, and
+no child process outliving a killed main process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import threading
 import time
 import urllib.request
 
-from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, descendants, process_title
+from serve_fixture import (
+    SMALL_SERVER_ARGS,
+    ServerProcess,
+    bastion_titles,
+    descendants,
+    is_live,
+    process_title,
+)
 
 STREAM_BODY = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "prompt": "Once upon a time",
                "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -101,7 +109,10 @@ def test_notify_order_drain_on_sigterm_and_exit_zero(tmp_path):
         sock.close()
 
 
-def test_watchdog_stops_while_an_engine_is_hung(tmp_path):
+def test_watchdog_stops_while_an_engine_is_hung_and_sigkill_takes_the_children(tmp_path):
+    """The watchdog pings stop while the engine is hung; systemd then kills the main process
+    (``WatchdogSignal``, SIGKILL in the end), and no ``bastion::`` child may outlive it: each
+    dies of its parent-death signal, the hung engine too."""
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
@@ -129,6 +140,16 @@ def test_watchdog_stops_while_an_engine_is_hung(tmp_path):
             except TimeoutError:
                 pass
         assert not any("WATCHDOG=1" in p for p in pings), pings
+
+        children = bastion_titles(descendants(server.pid))
+        assert {"bastion::sentinel-0", "bastion::engine-0", "bastion::worker-0-0"} <= set(
+            children.values()), children
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(is_live(pid) for pid in children):
+            time.sleep(0.1)
+        assert not bastion_titles(list(children)), "children outlived a SIGKILLed API process"
     finally:
         server.kill_tree()
         sock.close()

@@ -16,10 +16,12 @@ MAX_TOKENS = 12
 
 
 def dp_args(folder: str, port: int, *extra: str) -> tuple[str, ...]:
+    # No warm spares (serve_fixture.SMALL_SERVER_ARGS says why): no process is restarted here.
     return ("--model", folder, "--served-model-name", "m", "--dtype", "float32", "--device",
             "cpu", "--max-model-len", "256", "--kv-cache-memory-bytes", "16777216",
             "--data-parallel-size", "2", "--enable-expert-parallel",
-            "--data-parallel-rpc-port", str(port), "--distributed-timeout-s", "8", *extra)
+            "--data-parallel-rpc-port", str(port), "--distributed-timeout-s", "8",
+            "--ft-warm-spares", "0", *extra)
 
 
 def complete(server: ServerProcess, prompt: str) -> str:

@@ -3,8 +3,6 @@ and outputs unchanged by batching, prefix caching, chunked prefill and preemptio
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -40,18 +38,6 @@ def prompt_ids(llm: LLM) -> list[list[int]]:
     return raw + chat
 
 
-@pytest.fixture(scope="module")
-def hf_model(embedded_gguf_path: str):
-    """Transformers' own GGUF loader, float32."""
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(embedded_gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 def hf_generate(model, prompt_ids: list[list[int]], max_new_tokens: int = 32,
                 **kwargs) -> list[list[int]]:
     """Greedy ``generate()``, one prompt at a time (no padding)."""
@@ -65,8 +51,8 @@ def hf_generate(model, prompt_ids: list[list[int]], max_new_tokens: int = 32,
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(prompt_ids: list[list[int]], hf_model) -> list[list[int]]:
-    return hf_generate(hf_model, prompt_ids)
+def hf_greedy(prompt_ids: list[list[int]], hf_gguf_model) -> list[list[int]]:
+    return hf_generate(hf_gguf_model, prompt_ids)
 
 
 def greedy_ids(llm: LLM, prompt_ids: list[list[int]],
@@ -132,7 +118,7 @@ def test_async_decode_through_the_graph_runner(prompt_ids, hf_greedy):
     assert len(calls) >= 30 and max(calls) == 8
 
 
-def test_penalties_see_the_token_still_in_flight(llm, prompt_ids, hf_model):
+def test_penalties_see_the_token_still_in_flight(llm, prompt_ids, hf_gguf_model):
     """A repetition penalty reads every token so far: an async step must not sample without
     the one the previous step produced (the runner waits for it). Reference: transformers'
     repetition penalty, which has the same definition (prompt + output, divide positive
@@ -142,7 +128,7 @@ def test_penalties_see_the_token_still_in_flight(llm, prompt_ids, hf_model):
     params = [penalised if i % 2 else GREEDY for i in range(len(prompt_ids))]
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    want = hf_generate(hf_model, prompt_ids[1::2], 24, repetition_penalty=1.5)
+    want = hf_generate(hf_gguf_model, prompt_ids[1::2], 24, repetition_penalty=1.5)
     assert got[1::2] == want
     assert [g[:24] for g in greedy_ids(llm, prompt_ids[1::2])] != want  # the penalty bites
 
@@ -194,12 +180,12 @@ def assert_prompt_logprobs(entries, ids: list[int], reference: torch.Tensor, k: 
                 assert entry[tok].rank == rank
 
 
-def test_prompt_logprobs_match_teacher_forced_transformers(prompt_ids, hf_model):
+def test_prompt_logprobs_match_teacher_forced_transformers(prompt_ids, hf_gguf_model):
     # A 16-token budget: the long prompt's logprobs come from several prefill chunks.
     chunked = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16)
     long_ids = prompt_ids[5] + prompt_ids[0]
     assert len(long_ids) > 2 * 16
-    reference = hf_prompt_logprobs(hf_model, long_ids)
+    reference = hf_prompt_logprobs(hf_gguf_model, long_ids)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
     plain = SamplingParams(temperature=0.0, max_tokens=1)
     first, short = chunked.generate(

@@ -99,24 +99,7 @@ def hf_greedy(model: nn.Module, prompt: list[int], max_new_tokens: int) -> list[
 
 
 # --- (a) the embedded GGUF model --------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def hf_gguf_model(embedded_gguf_path: str) -> nn.Module:
-    """transformers' GGUF path: its config conversion, dequantization, renaming and q/k
-    un-permutation (``load_gguf_checkpoint``), loaded into its own LlamaForCausalLM."""
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = os.path.split(embedded_gguf_path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = LlamaForCausalLM(config).float().eval()
-    state = load_gguf_checkpoint(embedded_gguf_path, return_tensors=True,
-                                 model_to_load=model)["tensors"]
-    result = model.load_state_dict(state, strict=False)
-    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
-    model.tie_weights()
-    return model
-
+# The reference, ``hf_gguf_model``, is conftest's (one load per session, shared with test_llm).
 
 @pytest.fixture(scope="module")
 def bastion_embedded() -> tuple[nn.Module, object]:

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, bastion_titles, descendants, is_live
+from serve_fixture import SMALL_SERVER_ARGS, ServerProcess, bastion_titles, descendants
 
 from bastion import LLM, SamplingParams
 from bastion.api.tool_parsers import TOOL_PARSERS
@@ -477,22 +477,3 @@ def test_forced_tool_choice_gives_arguments_that_match(client: openai.OpenAI, mo
                                                                              stream=True))
     assert (streamed, finish) == (calls, "tool_calls")
     assert content == choice.message.content
-
-
-@pytest.fixture
-def second_server(tmp_path) -> ServerProcess:
-    srv = ServerProcess(workdir=str(tmp_path), env=SERVER_ENV)
-    yield srv
-    srv.kill_tree()
-
-
-def test_sigkill_of_api_takes_children(second_server: ServerProcess) -> None:
-    second_server.wait_healthy(timeout_s=120)
-    children = bastion_titles(descendants(second_server.pid))
-    assert EXPECTED_CHILDREN <= set(children.values())
-    second_server.proc.send_signal(signal.SIGKILL)
-    second_server.proc.wait(10)
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(is_live(pid) for pid in children):
-        time.sleep(0.1)
-    assert not bastion_titles(list(children)), "children outlived a SIGKILLed API process"

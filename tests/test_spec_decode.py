@@ -232,6 +232,15 @@ def reference(plain_llm):
     return [o.token_ids for o in _greedy(plain_llm, PROMPTS)]
 
 
+@pytest.fixture(scope="module")
+def ngram_llm():
+    """One ngram-speculating LLM for the tests that only generate with it (each counts its own
+    drafts through ``_count_spec``; none changes the runner)."""
+    from bastion.procs.llm import LLM
+
+    return LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+
+
 def _count_spec(llm) -> dict[str, int]:
     """Wrap the scheduler's counters so a test sees totals (reports reset them every step)."""
     totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "preemptions": 0}
@@ -252,10 +261,8 @@ def _count_spec(llm) -> dict[str, int]:
     return totals
 
 
-def test_ngram_greedy_is_token_identical_with_prefix_hits(reference):
-    from bastion.procs.llm import LLM
-
-    llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+def test_ngram_greedy_is_token_identical_with_prefix_hits(reference, ngram_llm):
+    llm = ngram_llm
     totals = _count_spec(llm)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outputs] == reference
@@ -277,36 +284,38 @@ def test_ngram_with_chunked_prefill_and_preemption_is_token_identical(reference)
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
 
 
-def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm):
-    from bastion.procs.llm import LLM
-
-    llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
-    prompt = PROMPTS[:1]
-    plain = _greedy(plain_llm, prompt, max_tokens=40, logprobs=2)[0]
+def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm, ngram_llm, reference):
+    prompt = PROMPTS[0]
     # Stop ids and a stop string placed inside what will be an accepted run of drafts;
-    # penalties and min_tokens, which read the drafts before each verified position.
-    stop_id = plain.token_ids[9]
-    for kw in ({"logprobs": 2}, {"stop_token_ids": [stop_id]}, {"stop": [plain.text[30:38]]},
-               {"max_tokens": 7}, {"repetition_penalty": 1.3, "frequency_penalty": 0.4},
-               {"min_tokens": 12, "stop_token_ids": [stop_id]}):
-        kw = {"max_tokens": 40} | kw
-        expected = _greedy(plain_llm, prompt, **kw)[0]
-        got = _greedy(llm, prompt, **kw)[0]
-        assert got.token_ids == expected.token_ids, kw
-        assert (got.text, got.finish_reason, got.stop_reason) == (
-            expected.text, expected.finish_reason, expected.stop_reason), kw
-    got = _greedy(llm, prompt, max_tokens=40, logprobs=2)[0]
-    for a, b in zip(got.logprobs, plain.logprobs):
+    # penalties and min_tokens, which read the drafts before each verified position. One batch
+    # of every variant on each side (greedy tokens do not depend on the batch: test_llm).
+    stop_id = reference[0][9]
+    stop_text = plain_llm.tokenizer.decode(reference[0])[30:38]
+    variants = [{"max_tokens": 40} | kw for kw in (
+        {"logprobs": 2}, {"stop_token_ids": [stop_id]}, {"stop": [stop_text]},
+        {"max_tokens": 7}, {"repetition_penalty": 1.3, "frequency_penalty": 0.4},
+        {"min_tokens": 12, "stop_token_ids": [stop_id]})]
+    params = [SamplingParams(temperature=0.0, **kw) for kw in variants]
+    expected = [o.outputs[0] for o in plain_llm.generate([prompt] * len(params), params)]
+    got = [o.outputs[0] for o in ngram_llm.generate([prompt] * len(params), params)]
+    assert expected[0].token_ids[:len(reference[0])] == reference[0]
+    for kw, a, b in zip(variants, got, expected):
+        assert a.token_ids == b.token_ids, kw
+        assert (a.text, a.finish_reason, a.stop_reason) == (
+            b.text, b.finish_reason, b.stop_reason), kw
+    # The stop id and the stop string ended their runs early; min_tokens held the stop id off.
+    assert [got[i].finish_reason for i in (1, 2)] == ["stop"] * 2
+    assert len(got[1].token_ids) == 10 < len(got[5].token_ids)
+    assert len(got[0].logprobs) == 40
+    for a, b in zip(got[0].logprobs, expected[0].logprobs, strict=True):
         assert a.keys() == b.keys()
         for token_id in a:
             assert a[token_id].logprob == pytest.approx(b[token_id].logprob, abs=1e-3)
             assert a[token_id].rank == b[token_id].rank
 
 
-def test_ngram_seeded_sampling_is_reproducible():
-    from bastion.procs.llm import LLM
-
-    llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+def test_ngram_seeded_sampling_is_reproducible(ngram_llm):
+    llm = ngram_llm
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=20)
     first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
