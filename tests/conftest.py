@@ -43,6 +43,19 @@ def hf_gguf_model(embedded_gguf_path: str) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def embedded_llm():
+    """The embedded model as an offline ``LLM`` (float32 on the CPU, max_model_len 512, 256 MiB
+    of KV cache), one per session for the modules that only generate with it and compare
+    tokens (test_cli, test_llm, test_parallel, test_serve_e2e, test_spec_decode): building one
+    takes seconds each time. A test must leave it as it found it: no request left running, any
+    attribute it changes restored (``monkeypatch``), never closed."""
+    from bastion import LLM
+
+    return LLM(dtype="float32", device="cpu", max_model_len=512,
+               kv_cache_memory_bytes=256 << 20)
+
+
 def tiny_config(kind: str, **overrides: Any) -> PretrainedConfig:
     """A small config of one supported architecture: 2-3 layers, GQA (4 query / 2 KV heads).
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bastion import LLM, SamplingParams
+from bastion import SamplingParams
 from bastion.core.config import (
     ConfigError,
     build_engine_config,
@@ -20,13 +20,13 @@ from bastion.core.config import (
 from bastion.procs.cli import build_parser, engine_kwargs, main, no_effect_notes, parse_args
 
 
-def test_generate_prints_the_greedy_completion_and_logs_its_load():
+def test_generate_prints_the_greedy_completion_and_logs_its_load(embedded_llm):
     prompt = "The capital of France is"
     out = subprocess.run([sys.executable, "-m", "bastion.procs.cli", "generate", prompt,
                           "--no-chat", "--max-tokens", "6", "--dtype", "float32"],
                          check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    expected = LLM(dtype="float32", max_model_len=256).generate(
+    expected = embedded_llm.generate(
         prompt, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
     assert out.stdout == expected + "\n"
     # Not silent while it loads: the phases are logged on stderr (a bar on a terminal).

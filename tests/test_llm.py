@@ -25,8 +25,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype="float32", max_model_len=512)
+def llm(embedded_llm: LLM) -> LLM:
+    return embedded_llm
 
 
 @pytest.fixture(scope="module")

@@ -56,9 +56,8 @@ def as_id_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def embedded_reference() -> list[list[int]]:
-    with LLM(max_model_len=256, **SMALL_KV) as llm:
-        return greedy_tokens(llm, TEXT_PROMPTS)
+def embedded_reference(embedded_llm: LLM) -> list[list[int]]:
+    return greedy_tokens(embedded_llm, TEXT_PROMPTS)
 
 
 def save_tiny(kind: str, path) -> str:

@@ -91,9 +91,8 @@ def model_name(client: openai.OpenAI) -> str:
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype="float32", device="cpu", max_model_len=512,
-               kv_cache_memory_bytes=268435456)
+def llm(embedded_llm: LLM) -> LLM:
+    return embedded_llm  # the server's settings: float32 on the CPU, max_model_len 512
 
 
 def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:

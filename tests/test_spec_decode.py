@@ -221,10 +221,8 @@ def _one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def plain_llm():
-    from bastion.procs.llm import LLM
-
-    return LLM(dtype="float32", max_model_len=256)
+def plain_llm(embedded_llm):
+    return embedded_llm
 
 
 @pytest.fixture(scope="module")
