@@ -13,7 +13,7 @@ import time
 
 import pytest
 from serve_fixture import ServerProcess
-from test_fault_tolerance import pid_of, status, stream_tokens, wait_for
+from test_fault_tolerance import pid_of, status, stream_all, stream_tokens, wait_for
 
 PROMPTS = ("Once upon a time", "The capital of France is")
 MAX_TOKENS = 40
@@ -68,8 +68,7 @@ def dense_server():
 def test_a_fault_in_one_dense_engine_does_not_stall_the_other(dense_server):
     server = dense_server
     reference: dict = {}
-    for prompt in PROMPTS:
-        stream(server, prompt, reference, prompt)
+    stream_all(server, PROMPTS, reference, stream)
     engines = status(server)
     assert [e["state"] for e in engines] == ["healthy", "healthy"]
     submitted = [e["num_requests"] for e in engines]

@@ -140,11 +140,20 @@ def auto_server(moe_folder):
         server.kill_tree()
 
 
+def stream_all(server: ServerProcess, prompts, out: dict, stream=stream_tokens) -> None:
+    """Stream every prompt at once, one thread each (as the faults find them), into ``out``."""
+    threads = [threading.Thread(target=stream, args=(server, p, out, p)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert set(prompts) <= set(out), f"a stream failed:\n{server.log_tail()}"
+
+
 @pytest.fixture(scope="module")
 def reference(auto_server) -> dict[str, str]:
     out: dict = {}
-    for prompt in PROMPTS:
-        stream_tokens(auto_server, prompt, out, prompt)
+    stream_all(auto_server, PROMPTS, out)
     return out
 
 

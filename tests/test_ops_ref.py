@@ -178,43 +178,47 @@ def test_single_rank_groups_are_identity() -> None:
         GroupCoordinator(rank=0, world_size=2)
 
 
-def _two_rank_worker(rank: int, port: int, mode: str, kind: str, queue) -> None:
+TWO_RANK_CONFIGS = [("tp", "qwen3_moe"), ("tp", "qwen2"), ("ep", "qwen3_moe")]
+
+
+def _two_rank_worker(rank: int, port: int, queue) -> None:
     import os
 
     import torch.distributed as dist
     from bastion.core.forward_context import build_attention_metadata, set_forward_context
     from bastion.core.models.registry import get_model_class
-    from bastion.ops.communicator import init_model_parallel
+    from bastion.ops.communicator import destroy_model_parallel, init_model_parallel
 
     from tests.conftest import build_tiny_hf_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    group = dist.new_group([0, 1])
-    init_model_parallel(group, None) if mode == "tp" else init_model_parallel(None, group)
-    hf_model = build_tiny_hf_model(kind)
-    model = get_model_class(type(hf_model).__name__)(hf_model.config, torch.float32)
-    model.load_weights(hf_model.state_dict().items())
-    # Under EP the ranks hold different numbers of tokens (DP ranks with different batches),
-    # padded to one row count as a coupled DP group does: rank 1's last two rows are padding
-    # past the forward context's tokens, and choose no expert.
-    ids = torch.tensor([5, 17, 99, 3, 250, 42, 7])
-    num_real = 7 - 2 * rank if mode == "ep" else 7
-    meta = build_attention_metadata([num_real], [num_real], [[0]], block_size=8)
-    with torch.no_grad(), set_forward_context(meta):
-        logits = model.compute_logits(model(ids, torch.arange(len(ids))))[:num_real]
-    with torch.no_grad():
-        expected = hf_model(ids[None, :num_real]).logits[0]
-    queue.put(float((logits - expected).abs().max()))
+    for mode, kind in TWO_RANK_CONFIGS:
+        group = dist.new_group([0, 1])
+        init_model_parallel(group, None) if mode == "tp" else init_model_parallel(None, group)
+        hf_model = build_tiny_hf_model(kind)
+        model = get_model_class(type(hf_model).__name__)(hf_model.config, torch.float32)
+        model.load_weights(hf_model.state_dict().items())
+        # Under EP the ranks hold different numbers of tokens (DP ranks with different
+        # batches), padded to one row count as a coupled DP group does: rank 1's last two rows
+        # are padding past the forward context's tokens, and choose no expert.
+        ids = torch.tensor([5, 17, 99, 3, 250, 42, 7])
+        num_real = 7 - 2 * rank if mode == "ep" else 7
+        meta = build_attention_metadata([num_real], [num_real], [[0]], block_size=8)
+        with torch.no_grad(), set_forward_context(meta):
+            logits = model.compute_logits(model(ids, torch.arange(len(ids))))[:num_real]
+        with torch.no_grad():
+            expected = hf_model(ids[None, :num_real]).logits[0]
+        queue.put((mode, kind, float((logits - expected).abs().max())))
+        destroy_model_parallel()
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode,kind", [("tp", "qwen3_moe"), ("tp", "qwen2"), ("ep", "qwen3_moe")])
-def test_two_rank_sharded_model_matches_transformers(mode: str, kind: str) -> None:
-    """TP=2 (heads, MLP columns/rows, vocab, expert intermediate dims) and EP=2 (whole experts,
-    uneven token counts) over gloo give the single-device logits."""
+@pytest.fixture(scope="module")
+def two_rank_errors() -> dict[tuple[str, str], list[float]]:
+    """Every config of ``TWO_RANK_CONFIGS`` in one pair of spawned ranks (a spawn costs
+    seconds of imports): each rank's largest logit error, by (mode, kind)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -224,12 +228,24 @@ def test_two_rank_sharded_model_matches_transformers(mode: str, kind: str) -> No
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, mode, kind, queue))
-             for r in range(2)]
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=180)
     assert [p.exitcode for p in procs] == [0, 0]
-    errors = [queue.get(timeout=5) for _ in procs]
-    assert max(errors) < 1e-4
+    errors: dict[tuple[str, str], list[float]] = {}
+    for _ in range(2 * len(TWO_RANK_CONFIGS)):
+        mode, kind, error = queue.get(timeout=5)
+        errors.setdefault((mode, kind), []).append(error)
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,kind", TWO_RANK_CONFIGS)
+def test_two_rank_sharded_model_matches_transformers(two_rank_errors, mode: str,
+                                                     kind: str) -> None:
+    """TP=2 (heads, MLP columns/rows, vocab, expert intermediate dims) and EP=2 (whole experts,
+    uneven token counts) over gloo give the single-device logits."""
+    errors = two_rank_errors[(mode, kind)]
+    assert len(errors) == 2 and max(errors) < 1e-4, errors

@@ -18,7 +18,7 @@ from datetime import datetime
 import pytest
 from serve_fixture import ServerProcess, descendants, process_title
 from test_dense_dp_faults import stream
-from test_fault_tolerance import status, wait_for
+from test_fault_tolerance import status, stream_all, wait_for
 
 PROMPTS = ("Once upon a time", "The capital of France is")
 # Rounds of (kill -9 the engine, kill -9 its worker at once); issue #24's stress drill is 50
@@ -129,8 +129,7 @@ def spawn_and_ready_times(log: str) -> list[dict[str, float]]:
 
 def test_kill_9_promotes_the_spare_even_warming_and_a_killed_idle_spare_is_replaced(server):
     reference: dict = {}
-    for prompt in PROMPTS:
-        stream(server, prompt, reference, prompt)
+    stream_all(server, PROMPTS, reference, stream)
 
     for _ in range(NUM_ROUNDS):
         spare = wait_spare_ready(server)
