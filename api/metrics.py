@@ -62,13 +62,6 @@ def buckets_1_2_5(limit: int) -> list[int]:
 _RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
-def fault_kind(statuses: list[EngineStatus]) -> str:
-    """The label of a group's fault: the kind its faulted engine reported (a bounded set,
-    ``FailureKind``'s names)."""
-    kinds = [s.fault_kind for s in statuses if s.fault_kind != FailureKind.NONE]
-    return (kinds[0] if kinds else FailureKind.EXCEPTION).label
-
-
 class ApiMetrics:
     """All series of one server; ``render()`` is the body of ``GET /metrics``."""
 
@@ -165,7 +158,12 @@ class ApiMetrics:
         self.engine_state = series(Gauge, "engine_state",
                                    "Engine state: 0 starting, 1 healthy, 2 unhealthy, "
                                    "3 recovering, 4 dead.", ("engine",))
-        self.faults = series(Counter, "engine_faults", "Faults of the engine group, by kind.",
+        # NOTE: counted per engine, not per group fault: which engine's report reaches the
+        # coordinator first is a race (a killed engine's peer may see its broken collective
+        # before the killed engine's sentinel sees the exit), and each report names a cause.
+        self.faults = series(Counter, "engine_faults",
+                             "Faults reported by the engines, by kind: one per engine and fault "
+                             "(a peer that failed with the faulted engine counts its own).",
                              ("kind",))
         self.recoveries = series(Counter, "engine_recoveries",
                                  "Recoveries of the engine group, by action.", ("action",))
@@ -178,6 +176,7 @@ class ApiMetrics:
         self.model_name = model_name
         self._last_stats: dict[int, SchedulerStats] = {}
         self._fault_seen_at: float | None = None
+        self._counted_kind: dict[int, FailureKind] = {}  # engine -> the kind last counted
         self._epoch = 0
 
     def observe_statuses(self, statuses: list[EngineStatus]) -> None:
@@ -185,10 +184,15 @@ class ApiMetrics:
         m = self.model_name
         for status in statuses:
             self.engine_state.labels(m, str(status.engine_id)).set(int(status.state))
+        for status in statuses:
+            kind = status.fault_kind
+            if kind != self._counted_kind.get(status.engine_id, FailureKind.NONE):
+                self._counted_kind[status.engine_id] = kind
+                if kind != FailureKind.NONE:
+                    self.faults.labels(m, kind.label).inc()
         healthy = all(s.state == EngineState.HEALTHY for s in statuses)
         if not healthy and self._fault_seen_at is None:
             self._fault_seen_at = time.monotonic()
-            self.faults.labels(m, fault_kind(statuses)).inc()
         epoch = max((s.epoch for s in statuses), default=0)
         if healthy and self._fault_seen_at is not None and epoch != self._epoch:
             action = statuses[0].last_action or "unknown"

@@ -161,7 +161,11 @@ class Coordinator:
         rank = fault.sender
         if self.phase in (Phase.PAUSING, Phase.RECOVERING):
             if fault.epoch < self.epoch or self.attempt.instruction == Instruction.PAUSE:
-                return []  # seen before this attempt: the attempt is what handles it
+                # Seen before this attempt: the attempt is what handles it. Its kind is still
+                # recorded: when a peer's error arrives first (a collective broken by a killed
+                # engine), this report is the only one that names the cause.
+                self._mark(rank, fault)
+                return self._broadcast_status()
             logger.error("coordinator: engine %d faulted during the attempt: %s", rank, fault.info)
             self.attempt.error = self.attempt.error or f"engine {rank}: {fault.info}"
             self._mark(rank, fault)

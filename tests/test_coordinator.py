@@ -211,7 +211,8 @@ def test_a_fault_during_recovery_fails_that_attempt_and_an_older_one_does_not():
     run_table(
         d,
         [
-            (0.1, fault(0, epoch=0), []),  # seen before the attempt: the attempt handles it
+            # Seen before the attempt: the attempt handles it; its kind is recorded all the same.
+            (0.1, fault(0, epoch=0, kind=FailureKind.PROCESS_EXIT), ["status"]),
             (0.2, lambda d: d.done(0), []),
             (0.3, lambda d: d.done(1), ["recover@1->0,1"]),
             (0.4, fault(1, epoch=1, kind=FailureKind.PROCESS_EXIT), []),  # at the attempt's epoch
@@ -220,6 +221,8 @@ def test_a_fault_during_recovery_fails_that_attempt_and_an_older_one_does_not():
         ],
     )
     assert d.c.phase == Phase.BACKOFF and "engine 1: engine 1 broke" in d.c.attempt.error
+    assert "engine 0" not in d.c.attempt.error
+    assert [s.fault_kind for s in d.c.statuses] == [FailureKind.PROCESS_EXIT] * 2
     assert d.feed(1.6, Tick()) == ["status", "pause@2/reinit->0,1"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from bastion.api.metrics import ApiMetrics, fault_kind
+from bastion.api.metrics import ApiMetrics
 from bastion.ipc.messages import EngineState, EngineStatus, FailureKind
 
 
@@ -36,12 +36,28 @@ def test_a_fault_and_its_recovery_are_counted_once_with_the_duration():
     assert 'bastion:engine_state{engine="1",model_name="m"} 1.0' in text
 
 
-def test_the_fault_label_is_the_reported_kind_not_the_text():
-    # The text says "hang"; the kind reported with it decides.
-    assert fault_kind(statuses(EngineState.UNHEALTHY, 0, "injected hang", FailureKind.HANG)
-                      ) == "hang"
-    assert fault_kind(statuses(EngineState.UNHEALTHY, 0, "hang?", FailureKind.COLLECTIVE)
-                      ) == "collective"
-    assert fault_kind(statuses(EngineState.UNHEALTHY, 0, "no kind")) == "exception"
+def test_each_engine_counts_its_own_fault_once_by_its_reported_kind():
+    # A killed engine 0's peer reports its broken collective first; engine 0's exit arrives
+    # later in the same fault. Both are counted, each once, by kind (the text does not decide).
+    metrics = ApiMetrics(_NoClient(), "m")
+    healthy = [EngineStatus(0, EngineState.HEALTHY, 0), EngineStatus(1, EngineState.HEALTHY, 0)]
+    peer_first = [EngineStatus(0, EngineState.RECOVERING, 1, "paused"),
+                  EngineStatus(1, EngineState.RECOVERING, 1, "a hang?",
+                               fault_kind=FailureKind.COLLECTIVE)]
+    cause_later = [EngineStatus(0, EngineState.RECOVERING, 1, "engine 0 process exited",
+                                fault_kind=FailureKind.PROCESS_EXIT), peer_first[1]]
+    for report in (healthy, peer_first, peer_first, cause_later, cause_later):
+        metrics.observe_statuses(report)
+    metrics.observe_statuses([EngineStatus(0, EngineState.HEALTHY, 1),
+                              EngineStatus(1, EngineState.HEALTHY, 1)])
+    # the next fault of engine 1, of the same kind, counts again
+    metrics.observe_statuses([EngineStatus(0, EngineState.UNHEALTHY, 1),
+                              EngineStatus(1, EngineState.UNHEALTHY, 1, "x",
+                                           fault_kind=FailureKind.COLLECTIVE)])
+    text = generate_latest(metrics.registry).decode()
+    faults = sorted(line for line in text.splitlines()
+                    if line.startswith("bastion:engine_faults_total"))
+    assert faults == ['bastion:engine_faults_total{kind="collective",model_name="m"} 2.0',
+                      'bastion:engine_faults_total{kind="process_exit",model_name="m"} 1.0']
     assert {k.label for k in FailureKind} == {"none", "exception", "injected", "process_exit",
                                               "hang", "collective", "unreachable"}
