@@ -10,9 +10,14 @@ import logging
 import os
 import subprocess
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: torch is imported where a dtype or the device is needed, not here: the sentinel and
+# the API process read configs without touching torch (its import is seconds on a loaded
+# host, paid in series down the process tree at every start).
 
 logger = logging.getLogger(__name__)
 
@@ -23,21 +28,31 @@ class ConfigError(ValueError):
     A user error: ``bastion`` prints its message as one line and exits with status 2."""
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-           "half": torch.float16, "float": torch.float32}
+# dtype names -> the torch dtype's attribute name
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+           "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+           "half": "float16", "float": "float32"}
 
 
-def parse_dtype(name: str, device: str) -> torch.dtype:
-    """``auto`` means bfloat16 on a GPU and float32 on the CPU."""
+def dtype_name(name: str, device: str) -> str:
+    """The torch dtype a ``dtype`` setting means, by name: ``auto`` is bfloat16 on a GPU and
+    float32 on the CPU."""
     if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        return "bfloat16" if device == "cuda" else "float32"
     if name not in _DTYPES:
         raise ConfigError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]
 
 
+def parse_dtype(name: str, device: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, dtype_name(name, device))
+
+
 def default_device() -> str:
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -82,7 +97,7 @@ class ModelConfig:
             raise ConfigError(f"load_format must be auto, gguf, hf or dummy; got {self.load_format!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda; got {self.device!r}")
-        parse_dtype(self.dtype, self.device)
+        dtype_name(self.dtype, self.device)
         if self.quantization not in ("auto", "gguf", "none"):
             raise ConfigError(f"quantization must be auto, gguf or none; got {self.quantization!r}")
         if self.quantization == "gguf" and self.device != "cpu":
@@ -421,6 +436,8 @@ def gpu_name_and_memory() -> tuple[str, int]:
         name, mib = out.splitlines()[0].rsplit(",", 1)
         return name.strip(), int(mib) * 2**20
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        import torch
+
         props = torch.cuda.get_device_properties(0)
         return props.name, props.total_memory
 

@@ -25,6 +25,7 @@ import zmq
 # NOTE: nothing here imports torch (bastion.core.config does, ~3 s on a loaded host): an
 # engine spare spawns its worker spares before that.
 from bastion.ipc.codec import encode
+from bastion.ipc.control import HandshakeInfo
 from bastion.ipc.messages import Failure
 from bastion.procs.lifecycle import (
     SpareLost,
@@ -32,6 +33,7 @@ from bastion.procs.lifecycle import (
     SpareSettings,
     child_handshake,
     die_with_parent,
+    exit_now,
     ipc_address,
     set_process_title,
 )
@@ -57,24 +59,29 @@ def main(argv: list[str]) -> None:
     if role not in _MAINS:
         raise ValueError(f"unknown role {role!r}")
     ctx = zmq.Context.instance()
-    worker_spares = None
-    if spare is not None and role == "engine" and spare.num_workers > 0:
-        worker_spares = _start_worker_spares(spare, ctx)
     from bastion.core.config import ConfigError, EngineConfig
 
+    worker_spares = handshake = info = None
+    if spare is not None and role == "engine" and spare.num_workers > 0:
+        worker_spares = _start_worker_spares(spare, ctx)
+    elif spare is None and role == "engine":
+        # A cold start: the launch first (its config says how many workers), then the workers
+        # start and import beside this process's own imports, as a spare's worker spares do
+        # (in series they cost one interpreter start and torch import more).
+        handshake, info = child_handshake(ctx, address, role, rank)
+        worker_spares = _start_worker_spares(_cold_worker_settings(info), ctx)
     module, name = _MAINS[role]
     role_main = getattr(importlib.import_module(module), name)
-    extra, check = {}, None
+    extra = {} if worker_spares is None else {"worker_spares": worker_spares}
     if spare is not None:
         _warm_up(role, rank, title, spare, worker_spares, start)
-        if worker_spares is not None:
-            extra, check = {"worker_spares": worker_spares}, worker_spares.check_alive
-    try:
-        handshake, info = child_handshake(ctx, address, role, rank,
-                                          timeout_s=None if spare is not None else 60.0,
-                                          check=check)
-    except SpareLost as exc:
-        _lost(title, exc)
+    if handshake is None:
+        try:
+            handshake, info = child_handshake(
+                ctx, address, role, rank, timeout_s=None if spare is not None else 60.0,
+                check=None if worker_spares is None else worker_spares.check_alive)
+        except SpareLost as exc:
+            _lost(title, exc)
     if spare is not None:
         title = spare.title
         set_process_title(title)
@@ -109,6 +116,16 @@ def _start_worker_spares(spare: SpareSettings, ctx: zmq.Context) -> Spares:
                 for r in range(spare.num_workers)}
     address = ipc_address(spare.runtime_dir, f"engine{spare.engine_id}-ws-{os.getpid()}")
     return Spares(ctx, address, "worker", settings)
+
+
+def _cold_worker_settings(info: HandshakeInfo) -> SpareSettings:
+    """An engine's launch as the settings of an engine spare: what its workers need to start."""
+    from bastion.core.config import EngineConfig
+
+    config = msgspec.json.decode(info.config_json, type=EngineConfig)
+    tp = config.parallel.tensor_parallel_size
+    return SpareSettings(f"bastion::engine-{info.rank}", config.model.device, tp,
+                         info.launch.runtime_dir, info.rank, tp, info.config_json.decode())
 
 
 def _warm_up(role: str, rank: int, title: str, spare: SpareSettings,
@@ -175,3 +192,4 @@ def _rss_mib() -> float:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    exit_now(0)

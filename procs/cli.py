@@ -123,9 +123,16 @@ def main(argv: list[str] | None = None) -> int:
         return report_user_error(exc, getattr(args, "log_level", "info"))
 
 
+def run() -> None:
+    """The ``bastion`` command: ``main``, then the process ends at once (``exit_now``)."""
+    from bastion.procs.lifecycle import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
     # NOTE: through the package, not this __main__ copy: the error classes other modules raise
     # must be the ones main catches.
-    from bastion.procs.cli import main as package_main
+    from bastion.procs.cli import run
 
-    sys.exit(package_main())
+    run()

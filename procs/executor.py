@@ -78,8 +78,8 @@ class MultiprocExecutor:
         if spares is not None and spares.is_alive() and len(spares.children) == self.num_workers:
             self.workers: list[Child] = spares.children
             run = spares.promote
-            logger.info("engine %d: promoting %d warm worker spare(s)", engine_id,
-                        self.num_workers)
+            logger.info("engine %d: promoting %d worker(s) started ahead of it (warm spares, or "
+                        "a cold start's)", engine_id, self.num_workers)
         else:
             if spares is not None:
                 spares.kill()

@@ -41,6 +41,20 @@ def set_process_title(title: str) -> None:
         pass
 
 
+def exit_now(code: int) -> None:
+    """End the process once its work is done: logs and stdio flushed, then ``os._exit``,
+    without the interpreter's teardown (about 0.5 s with torch loaded, paid by every process
+    on every stop and restart, one after the other down the process tree). Nothing is lost
+    that a normal exit keeps: pyzmq does not flush unsent messages at interpreter exit either."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Ask the kernel to SIGKILL us when the parent dies; a watcher thread covers the race
     where the parent died before the request took effect (and non-Linux systems)."""

@@ -289,12 +289,17 @@ class EngineHandle:
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.spare is not None:
             self.spare.kill()
+        if self.is_alive() and (self.is_starting or self.peer_identity is None):
+            # Not serving (a start in progress, or one given up on: a dead group's last
+            # attempt may still be importing when the server exits), so nothing to drain.
+            # SIGKILL: a SIGTERM landing inside its imports takes seconds to unwind.
+            self.child.proc.kill()
+            self.child.proc.wait()
         if self._starter is not None:
             self._starter.join(timeout_s)
-        if self.child is None:
+        if not self.is_alive():
             return
-        if self.child.is_alive() and self.peer_identity is not None:
-            self.send(ShutdownEngine(0), track=False)
+        self.send(ShutdownEngine(0), track=False)
         try:
             self.child.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
