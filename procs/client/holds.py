@@ -39,7 +39,8 @@ class HoldResume:
 
     def __init__(self, engine_ids: list[int]) -> None:
         self.open: dict[str, Seq] = {}  # child id -> seq, in the order the requests came
-        self.held: dict[str, Seq] = {}  # child id -> seq, in the order they were held
+        # NOTE: an ordered set (dict keys; a Seq hashes by identity), in the order they were held.
+        self.held: dict[Seq, None] = {}
         self.by_engine_request_id: dict[str, Seq] = {}
         self.num_inflight = {i: 0 for i in engine_ids}
         self.num_submitted = {i: 0 for i in engine_ids}  # since start, per engine (status)
@@ -48,14 +49,14 @@ class HoldResume:
     def add(self, seq: Seq) -> None:
         """Track a new sequence; it is held until ``take_held`` hands it out."""
         self.open[seq.child_id] = seq
-        self.held[seq.child_id] = seq
+        self.held[seq] = None
 
     def hold(self, seq: Seq) -> None:
-        self.held[seq.child_id] = seq
+        self.held[seq] = None
 
     def take_held(self) -> list[Seq]:
         """Every held sequence, in the order it was held; none is held afterwards."""
-        held = list(self.held.values())
+        held = list(self.held)
         self.held.clear()
         return held
 
@@ -81,7 +82,7 @@ class HoldResume:
     def close(self, seq: Seq) -> bool:
         """Stop tracking a sequence; True when an engine still had it (to abort there)."""
         self.open.pop(seq.child_id, None)
-        self.held.pop(seq.child_id, None)
+        self.held.pop(seq, None)
         return self.detach(seq)
 
     def detach(self, seq: Seq) -> bool:
@@ -95,14 +96,14 @@ class HoldResume:
         """Detach every sequence engine ``engine_id`` has (it stopped serving or restarted), in
         the order the requests came; the caller holds them again or ends them."""
         seqs = [s for s in self.open.values() if s.engine_id == engine_id
-                and s.child_id not in self.held and s.engine_request_id in self.by_engine_request_id]
+                and s not in self.held and s.engine_request_id in self.by_engine_request_id]
         for seq in seqs:
             self.detach(seq)
         return seqs
 
     def expired(self, now: float) -> list[Seq]:
         """Held sequences whose deadline passed (in an engine, the engine enforces it)."""
-        return [s for s in self.held.values()
+        return [s for s in self.held
                 if s.request.deadline is not None and s.request.deadline < now]
 
     def table_sizes(self) -> dict[str, int]:
