@@ -5,6 +5,8 @@ engine, of a coupled (expert-parallel) group, and to a dead group. Sends are rec
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from bastion.core.config import EngineConfig, FaultToleranceConfig, ParallelConfig
@@ -18,10 +20,13 @@ from bastion.ipc.messages import (
     FinishReason,
     SamplingParams,
     SchedulerStats,
+    UtilityCall,
+    UtilityResult,
 )
 from bastion.procs.client.holds import HoldResume, Seq
 from bastion.procs.client.router import Router
 from bastion.procs.client.streams import OutputDemux
+from bastion.procs.client.utility_calls import UtilityCalls
 from bastion.procs.engine_client import AsyncEngineClient
 
 HEALTHY, UNHEALTHY, RECOVERING, STARTING = (EngineState.HEALTHY, EngineState.UNHEALTHY,
@@ -216,6 +221,31 @@ async def test_an_aborted_stream_aborts_only_what_an_engine_has() -> None:
     assert aborts == [(1, ["r-0@0"]), (0, ["r-1@1"])]
     assert demux.table_sizes() == {"streams": 0, "output_states": 0}
     assert holds.table_sizes()["sequences"] == holds.table_sizes()["held"] == 0
+
+
+async def test_utility_calls_answer_in_engine_order_and_forget_what_timed_out() -> None:
+    sent: list[tuple[int, UtilityCall]] = []
+    calls = UtilityCalls(lambda e, call: sent.append((e, call)))
+    task = asyncio.create_task(calls.call([2, 5], "add_lora", ["x", 1], timeout_s=5.0))
+    await asyncio.sleep(0)
+    assert [(e, c.call_id, c.method, c.args) for e, c in sent] == [(2, 1, "add_lora", ["x", 1]),
+                                                                  (5, 2, "add_lora", ["x", 1])]
+    calls.resolve(UtilityResult(2, "five"))  # engine 5 answers first
+    calls.resolve(UtilityResult(1, "two"))
+    assert await task == ["two", "five"] and len(calls) == 0
+
+    task = asyncio.create_task(calls.call([2, 5], "remove_lora", [1], timeout_s=5.0))
+    await asyncio.sleep(0)
+    calls.resolve(UtilityResult(3, failure="ValueError: no adapter 1"))
+    calls.resolve(UtilityResult(4))
+    with pytest.raises(ValueError, match="^no adapter 1$"):
+        await task
+
+    with pytest.raises(TimeoutError):
+        await calls.call([2], "add_lora", [], timeout_s=0.01)
+    assert len(calls) == 0
+    calls.resolve(UtilityResult(5, "late"))  # dropped
+    assert len(calls) == 0
 
 
 # -------------------------------------------------------------------------------- facade

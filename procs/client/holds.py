@@ -39,7 +39,7 @@ class HoldResume:
 
     def __init__(self, engine_ids: list[int]) -> None:
         self.open: dict[str, Seq] = {}  # child id -> seq, in the order the requests came
-        # NOTE: an ordered set (dict keys; a Seq hashes by identity), in the order they were held.
+        # An ordered set (dict keys; a Seq hashes by identity), in the order they were held.
         self.held: dict[Seq, None] = {}
         self.by_engine_request_id: dict[str, Seq] = {}
         self.num_inflight = {i: 0 for i in engine_ids}
