@@ -134,7 +134,7 @@ async def test_shutdown_stops_engine_0_after_the_others() -> None:
     # engines 1 and 2 have exited; a sentinel that never exits is killed at the end.
     import time
 
-    from bastion.procs.engine_client import AsyncEngineClient
+    from bastion.procs.client.supervisor import EngineSupervisor
 
     told: dict[int, float] = {}
     killed: list[int] = []
@@ -161,22 +161,18 @@ async def test_shutdown_stops_engine_0_after_the_others() -> None:
         async def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
             told[self.rank] = time.monotonic()
 
-    class Context:
-        def destroy(self, linger: int) -> None:
-            pass
-
-    client = AsyncEngineClient.__new__(AsyncEngineClient)
-    client.ctx, client._tasks = Context(), []
-    client.sentinels = {0: Sentinel(0, 0.05), 1: Sentinel(1, 0.3), 2: Sentinel(2, 0.1)}
-    client.cmd_sockets = {i: CmdSocket(i) for i in client.sentinels}
-    await client.shutdown(timeout_s=4.0)
+    supervisor = EngineSupervisor.__new__(EngineSupervisor)
+    supervisor.sentinels = {0: Sentinel(0, 0.05), 1: Sentinel(1, 0.3), 2: Sentinel(2, 0.1)}
+    supervisor.cmd_sockets = {i: CmdSocket(i) for i in supervisor.sentinels}
+    await supervisor.shutdown(timeout_s=4.0)
     assert sorted(told, key=told.get) == [1, 2, 0] and not killed
-    assert told[0] >= max(client.sentinels[1].exit_time(), client.sentinels[2].exit_time())
+    sentinels = supervisor.sentinels
+    assert told[0] >= max(sentinels[1].exit_time(), sentinels[2].exit_time())
 
     told.clear()
-    client.sentinels = {0: Sentinel(0, 0.05), 1: Sentinel(1, None)}  # engine 1 hangs
-    client.cmd_sockets = {i: CmdSocket(i) for i in client.sentinels}
+    supervisor.sentinels = {0: Sentinel(0, 0.05), 1: Sentinel(1, None)}  # engine 1 hangs
+    supervisor.cmd_sockets = {i: CmdSocket(i) for i in supervisor.sentinels}
     start = time.monotonic()
-    await client.shutdown(timeout_s=1.0)
+    await supervisor.shutdown(timeout_s=1.0)
     assert 0.5 <= told[0] - start < 0.6  # half the time for the others, then engine 0
     assert time.monotonic() - start < 0.7 and killed == [1]
