@@ -395,6 +395,26 @@ class EngineConfig:
                               "expert-parallel data parallelism yet; drop --speculative-config "
                               "or run with --tensor-parallel-size 1 and without EP")
 
+    def async_scheduling_off_reason(self) -> str | None:
+        """Why async scheduling cannot run with this config (None: it can, when asked for)."""
+        if self.parallel.is_dp_coupled:
+            # NOTE: a coupled group's engines must run the same number of forwards (their
+            # expert collectives pair up), which a step queue that drains at different times
+            # would break.
+            return "a coupled (expert-parallel) DP group steps in lockstep"
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            return ("speculative decoding with a draft model runs synchronously (its lookahead "
+                    "KV slots are not reserved ahead of a step in flight yet)")
+        return None
+
+    @property
+    def is_async_spec(self) -> bool:
+        """ngram speculation under async scheduling: the scheduler reserves each decode row's
+        draft slots ahead (placeholders) and the worker, which holds the accepted tokens,
+        drafts and fills them itself."""
+        return (self.speculative is not None and self.scheduler.async_scheduling
+                and self.async_scheduling_off_reason() is None)
+
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 

@@ -79,16 +79,14 @@ class EngineCore:
                                    num_spec if spec is not None and spec.method == "draft_model"
                                    else 0,
                                    config.lora.max_loras if config.lora.enable_lora else 0,
-                                   self.structured_output)
+                                   self.structured_output, is_async_spec=config.is_async_spec)
         self.loras: dict[int, LoRARequest] = {}  # loaded adapters by id
         par = config.parallel
         self.is_coupled = par.is_dp_coupled
-        # NOTE: a coupled group's engines must run the same number of forwards (their expert
-        # collectives pair up), which a step queue that drains at different times would break.
-        # NOTE: and not while speculating: a verify step's number of emitted tokens is known
-        # only after it runs, so the next step cannot be scheduled ahead of it (yet).
-        self.async_scheduling = (config.scheduler.async_scheduling and not self.is_coupled
-                                 and spec is None)
+        off_reason = config.async_scheduling_off_reason()
+        self.async_scheduling = config.scheduler.async_scheduling and off_reason is None
+        if config.scheduler.async_scheduling and off_reason is not None:
+            logger.info("async scheduling is off: %s", off_reason)
         self.spec_logger = (SpecDecodingLogger(spec.num_speculative_tokens) if spec is not None
                             else None)
         # A coupled group's agreement for one round: (this engine's tokens, decode-only) ->

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
@@ -75,6 +76,11 @@ class CachedRequestState:
     # Draft model: the distribution each of its current drafts was drawn from (None: greedy).
     draft_probs: torch.Tensor | None = None
     lora_request: LoRARequest | None = None
+    # Speculative decoding: the proposer's drafts after the latest sampled token (async
+    # scheduling runs them in the slots the scheduler reserved), and the length limit
+    # (prompt + max_tokens, at most max_model_len) no draft may pass.
+    draft_token_ids: list[int] = field(default_factory=list)
+    max_num_tokens: int = 1 << 62
 
     @property
     def num_tokens(self) -> int:
@@ -224,8 +230,12 @@ class ModelRunner:
         self._staging: StagingRing[_StepStaging] | None = None
         self._staging_capacity = (0, 0, 0)
         spec = config.speculative
-        # NOTE: speculative steps run synchronously (the engine turns async scheduling off):
-        # how many tokens a step emits is known only after it, so no step is prepared ahead.
+        # NOTE: a speculative step runs to its verified tokens and next drafts before it
+        # returns (verification reads the logits on the host). Under async scheduling
+        # (``is_async_spec``) the engine schedules the next step before it has seen them: this
+        # runner tracks each request's progress itself and fills the draft slots the scheduler
+        # reserved with its own drafts.
+        self.is_async_spec = config.is_async_spec
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max)
                          if spec is not None and spec.method == "ngram" else None)
@@ -426,6 +436,10 @@ class ModelRunner:
                 is_plain_greedy=_is_plain_greedy(new.sampling_params),
                 needs_output_ids=_needs_output_ids(new.sampling_params),
                 lora_request=new.lora_request)
+            max_tokens = new.sampling_params.max_tokens
+            if max_tokens is not None:
+                state.max_num_tokens = len(new.prompt_token_ids) + max_tokens
+            state.max_num_tokens = min(state.max_num_tokens, self.max_model_len)
             state.append_blocks(new.block_ids)
             self.requests[new.request_id] = state
         for cached in sched.cached_requests:
@@ -434,7 +448,10 @@ class ModelRunner:
                 state.drop_blocks(cached.num_freed_blocks)
             if cached.new_block_ids:
                 state.append_blocks(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            # NOTE: under async speculation the scheduler's count assumes every draft of the
+            # step before was accepted; this runner's own count (``_execute_spec``) is exact.
+            if not self.is_async_spec:
+                state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
@@ -535,6 +552,8 @@ class ModelRunner:
         self._apply_delta(sched)
         if not sched.num_scheduled_tokens:
             return StepHandle(sched.step_id)
+        if self.is_async_spec:
+            sched = self._fill_draft_slots(sched)
         spec = sched.scheduled_spec_decode_tokens
         # The draft model shadows every target forward over the flat batch, which a plain
         # decode graph does not expose; a verify graph's padded batch it shadows eagerly.
@@ -564,9 +583,11 @@ class ModelRunner:
                 self.drafter.shadow(batch.input_ids, batch.positions, batch.meta)
             prompt_logprobs = self._prompt_logprobs(sched, hidden, batch.meta)
             if not batch.sample_ids:
+                self._advance(sched)
                 return StepHandle(sched.step_id, prompt_logprobs=prompt_logprobs)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
+        self._advance(sched)
         if sched.structured_output_request_ids:
             return self._defer(sched, logits, states, prompt_logprobs)
         return StepHandle.ready(self._verify_step(sched.step_id, logits, states, spec,
@@ -585,6 +606,8 @@ class ModelRunner:
         for state, token_ids in zip(states, result.token_ids):
             state.output_token_ids.extend(token_ids)
             state.token_ids.extend(token_ids)
+            # The fed last token and the accepted drafts have KV; the rejected ones' does not.
+            state.num_computed_tokens = len(state.token_ids) - 1
         if self.drafter is not None:
             proposed = self.drafter.propose(states, self.max_model_len)
             drafts = proposed.token_ids
@@ -592,8 +615,48 @@ class ModelRunner:
                 state.draft_probs = q
         else:
             drafts = [self.proposer.propose(s.token_ids) for s in states]
-        return ModelRunnerOutput([s.request_id for s in states], [], result.logprobs, step_id,
-                                 result.token_ids, drafts, prompt_logprobs)
+        for state, draft_ids in zip(states, drafts):
+            state.draft_token_ids = draft_ids
+        output = ModelRunnerOutput([s.request_id for s in states], [], result.logprobs, step_id,
+                                   result.token_ids, drafts, prompt_logprobs)
+        if self.is_async_spec:  # the drafts stay here; the scheduler needs only their number
+            output.draft_token_ids = []
+            output.num_draft_tokens = [len(spec.get(s.request_id, ())) for s in states]
+        return output
+
+    def _fill_draft_slots(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Async speculation: the step with each row's draft slots (placeholders) filled with
+        as many of this runner's drafts as they hold and the request's length limit allows;
+        a row with fewer drafts than slots feeds fewer tokens (its spare slots stay unwritten).
+
+        NOTE: a copy: in-process, the scheduler folds the step in by the slots it reserved.
+        """
+        slots = sched.scheduled_spec_decode_tokens
+        if not slots:
+            return sched
+        counts = dict(sched.num_scheduled_tokens)
+        drafts: dict[str, list[int]] = {}
+        for request_id, placeholders in slots.items():
+            state = self.requests[request_id]
+            if state.num_computed_tokens != len(state.token_ids) - 1:
+                raise RuntimeError(f"request {request_id} got draft slots in step "
+                                   f"{sched.step_id} but is not a decode row here "
+                                   f"({state.num_computed_tokens} of {len(state.token_ids)} "
+                                   "tokens computed)")
+            room = state.max_num_tokens - len(state.token_ids) - 1
+            mine = state.draft_token_ids[:max(min(len(placeholders), room), 0)]
+            counts[request_id] -= len(placeholders) - len(mine)
+            if mine:
+                drafts[request_id] = mine
+        return msgspec.structs.replace(sched, num_scheduled_tokens=counts,
+                                       total_num_scheduled_tokens=sum(counts.values()),
+                                       scheduled_spec_decode_tokens=drafts)
+
+    def _advance(self, sched: SchedulerOutput) -> None:
+        """Every row's progress past the tokens it fed this step (verification takes the
+        rejected drafts back off)."""
+        for request_id, num_tokens in sched.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
 
     def _prepare_verify(self, sched: SchedulerOutput, spec: dict[str, list[int]]
                         ) -> tuple[list[CachedRequestState], DecodeInputs, np.ndarray] | None:

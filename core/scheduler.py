@@ -34,7 +34,8 @@ class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, num_spec_tokens: int = 0,
                  num_lookahead_tokens: int = 0, max_loras: int = 0,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 is_async_spec: bool = False) -> None:
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -56,6 +57,9 @@ class Scheduler:
         # Speculative decoding: each decode row may carry up to this many draft tokens (0: off).
         self.num_spec_tokens = num_spec_tokens
         self.spec_stats = _SpecStats(num_spec_tokens)
+        # Under async scheduling the workers draft: a decode row gets up to this many draft
+        # slots as placeholders (-1), which its worker fills with its own drafts.
+        self.is_async_spec = is_async_spec and bool(num_spec_tokens)
         # Draft model: slots past a sampling row's tokens where the draft writes the KV of the
         # tokens it proposes (scratch, rewritten by the next step).
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -265,12 +269,15 @@ class Scheduler:
         for request_id, n in num_scheduled.items():
             request = scheduled[request_id] = self.requests[request_id]
             request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples its next token
+            num_drafts = len(spec_tokens.get(request_id, ()))
+            if (request.num_computed_tokens
+                    == request.num_tokens + request.num_output_placeholders + num_drafts):
+                # This step samples the request's next token (past its drafts). Until it is
+                # folded in, its drafts and that token are placeholders, as if every draft were
+                # accepted; the fold gives the rejected ones back.
+                request.num_output_placeholders += 1 + num_drafts
                 if request.grammar is not None:
                     grammar_ids.append(request_id)
-        for request_id in spec_tokens:  # a row with drafts samples too (past its drafts)
-            scheduled[request_id].num_output_placeholders += 1
         self.step_id += 1
         if scheduled:
             self.scheduled[self.step_id] = scheduled
@@ -317,11 +324,13 @@ class Scheduler:
                        budget: int) -> tuple[list[int] | None, list[int]]:
         """Blocks for a running row's ``num_new`` tokens plus its drafts (and the draft
         model's lookahead slots); without room for the extras, for ``num_new`` alone."""
+        drafts: list[int] = []
         if request.grammar is not None:
             # NOTE: grammar rows do not speculate: a draft the grammar forbids would need its
             # matcher rolled back, and the mask of each draft position filled ahead.
             request.spec_token_ids = []
-        drafts = self._take_drafts(request, num_new, budget) if request.spec_token_ids else []
+        elif request.spec_token_ids or self.is_async_spec:
+            drafts = self._take_drafts(request, num_new, budget)
         lookahead = (self._lookahead(request, num_new + len(drafts))
                      if self.num_lookahead_tokens else 0)
         new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
@@ -341,12 +350,30 @@ class Scheduler:
     def _take_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts a decode row runs this step: as many as the token budget and the
         request's length limit leave room for (a draft past max_tokens could never be emitted).
+        Under async speculation, placeholder slots for the worker's drafts instead.
         """
+        if self.is_async_spec:
+            return self._draft_slots(request, num_new, budget)
         drafts, request.spec_token_ids = request.spec_token_ids, []
         if num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
             return []  # not a plain decode row (a prefill chunk, or a token in flight)
         room = min(budget - 1, request.max_num_tokens - request.num_tokens - 1)
         return drafts[:max(room, 0)]
+
+    def _draft_slots(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Async speculation: placeholders (-1) for the drafts a decode row may run this step.
+
+        NOTE: the drafts are the worker's, proposed right after the step still in flight for
+        this request (if any), so their number is not known here: as many slots as the token
+        budget, ``k`` and the length limit allow are reserved, and the worker fills as many as
+        it has drafts for. The length limit counts every in-flight placeholder as emitted, so
+        no slot lies past it whatever that step accepts.
+        """
+        num_known = request.num_tokens + request.num_output_placeholders
+        if num_new != 1 or request.num_computed_tokens != num_known - 1:
+            return []  # not a plain decode row (a prefill chunk)
+        room = min(budget - 1, request.max_num_tokens - num_known - 1, self.num_spec_tokens)
+        return [-1] * max(room, 0)
 
     @staticmethod
     def _at_length_limit(request: Request, num_in_flight: int = 0) -> bool:
@@ -426,14 +453,25 @@ class Scheduler:
             request = scheduled.get(request_id)
             if request is None or self.requests.get(request_id) is not request:
                 continue
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= 1
             drafts = drafts_by_id.get(request_id, ())
-            num_rejected = len(drafts) - (len(token_ids) - 1)
-            if drafts:
-                self.spec_stats.observe(len(drafts), len(token_ids) - 1)
+            request.num_output_placeholders = max(
+                request.num_output_placeholders - 1 - len(drafts), 0)
+            num_accepted = len(token_ids) - 1
+            # Async speculation: ``drafts`` are the slots this step had; the worker verified
+            # as many drafts as it had (at most that many), and says how many.
+            num_verified = (result.num_draft_tokens[i] if i < len(result.num_draft_tokens)
+                            else len(drafts))
+            if num_verified:
+                self.spec_stats.observe(num_verified, num_accepted)
+            num_rejected = len(drafts) - num_accepted
+            # NOTE: a request preempted while this step ran starts over from its tokens
+            # (these included); its progress and blocks are already gone.
+            is_running = request.status == RequestStatus.RUNNING
+            if is_running:
                 # NOTE: only the accepted drafts' KV is valid; the rejected positions are
-                # computed again (with the right tokens) by later steps.
+                # computed again (with the right tokens) by later steps. Under async
+                # scheduling the step after this one (if in flight) was scheduled as if every
+                # draft were accepted: the same correction puts it where its worker ran it.
                 request.num_computed_tokens -= num_rejected
             emitted = []
             for token_id in token_ids:
@@ -454,9 +492,11 @@ class Scheduler:
             if request.status == RequestStatus.FINISHED:
                 self._remove(request)
                 continue
-            if num_rejected > 0:
+            if num_rejected > 0 and is_running:
+                # NOTE: blocks past the corrected count hold no slot of a step in flight either.
                 request.num_freed_blocks += self.kv.trim(request, request.num_computed_tokens)
-            request.spec_token_ids = list(next_drafts[i]) if i < len(next_drafts) else []
+            if not self.is_async_spec:
+                request.spec_token_ids = list(next_drafts[i]) if i < len(next_drafts) else []
 
     def _collect_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
         for part in result.prompt_logprobs:

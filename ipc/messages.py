@@ -342,6 +342,9 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     dp_all_decode: bool = False
     # Speculative decoding: per request, the draft tokens fed after its last token this step
     # (counted in ``num_scheduled_tokens``); the step verifies them and samples one more.
+    # Under async scheduling they are placeholders (-1): slots the worker fills with as many
+    # of its own drafts as it has (it drafted right after the step before, which the scheduler
+    # has not seen yet), feeding the row at the position that step's accepted tokens put it.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # LoRA adapters unloaded (once no request of theirs was left): workers free their slots.
     removed_lora_ids: list[int] = []
@@ -387,6 +390,9 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     draft_token_ids: list[list[int]] = []
     # Prompt logprobs computed this step, one part per prefill chunk that asked for them.
     prompt_logprobs: list[PromptLogprobs] = []
+    # Speculative decoding under async scheduling: per request, the drafts the worker verified
+    # (at most the row's slots in ``scheduled_spec_decode_tokens``).
+    num_draft_tokens: list[int] = []
 
 
 # ---------------------------------------------------------------------------------------------

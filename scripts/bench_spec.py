@@ -5,6 +5,10 @@ given (the case prompt lookup is made for: the output repeats spans of the promp
 the speculative outputs must be token-identical to plain decoding; the script checks that.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --batch-sizes 1 8
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --no-async-scheduling
+
+Both engines run with the same ``--[no-]async-scheduling`` (on by default, as the engine's
+default): with it on, the ngram engine's worker drafts into slots scheduled ahead.
 
 All eight prompts run at each batch size, ``batch_size`` at a time. Each configuration runs
 once to warm up and then ``--repeats`` times; the best run counts (other processes share a
@@ -86,13 +90,17 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True, help="async scheduling for both engines (default: on)")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = parser.parse_args()
     spec_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                    "prompt_lookup_min": args.prompt_lookup_min,
                    "prompt_lookup_max": args.prompt_lookup_max}
-    plain = LLM(dtype="float32", max_model_len=1024, async_scheduling=False)
-    spec = LLM(dtype="float32", max_model_len=1024, speculative_config=spec_config)
+    plain = LLM(dtype="float32", max_model_len=1024, async_scheduling=args.async_scheduling)
+    spec = LLM(dtype="float32", max_model_len=1024, speculative_config=spec_config,
+               async_scheduling=args.async_scheduling)
+    assert spec.engine.async_scheduling == args.async_scheduling
     # Totals over the timed runs (the engine's own reports reset every step).
     totals = count_spec_stats()
     rows = []
@@ -116,7 +124,9 @@ def main() -> None:
             "mean_acceptance_length": 1 + totals["accepted"] / max(totals["drafts"], 1),
             "draft_acceptance_rate": totals["accepted"] / max(totals["draft_tokens"], 1),
             "identical": outs["plain"] == outs["ngram"],
+            "async_scheduling": args.async_scheduling,
         })
+    print(f"async scheduling {'on' if args.async_scheduling else 'off'}")
     print(f"{'batch':>5} {'tokens':>7} {'plain tok/s':>12} {'ngram tok/s':>12} {'speedup':>8} "
           f"{'mean accept len':>16} {'draft accept':>13} {'identical':>10}")
     for r in rows:

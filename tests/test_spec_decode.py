@@ -3,6 +3,8 @@ scheduler's lookahead slots, and token identity with plain decoding on the embed
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -164,6 +166,103 @@ def test_drafts_fit_the_token_budget():
     assert out.scheduled_spec_decode_tokens == {"a": [1, 2]}
 
 
+def _async_scheduler(num_blocks=16, block_size=4, budget=64, k=3) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), CacheConfig(
+        block_size=block_size), num_blocks, 64, num_spec_tokens=k, is_async_spec=True)
+
+
+def _fold(s: Scheduler, out, emit: dict[str, list[int]], num_drafts: dict[str, int]):
+    """Fold in a launched step as its worker answered: the tokens each row emitted and how
+    many drafts it verified (async speculation: the drafts never reach the scheduler)."""
+    ids = list(emit)
+    result = ModelRunnerOutput(ids, [], [], out.step_id, [emit[r] for r in ids],
+                               num_draft_tokens=[num_drafts.get(r, 0) for r in ids])
+    return s.update_from_output(out, result)
+
+
+def test_async_speculation_schedules_ahead_and_corrects_by_the_rejected_drafts():
+    """Each step is scheduled before the one in flight is folded in, its decode row with 1 + k
+    slots as if every draft in flight were accepted; the fold takes the rejected drafts off
+    the count (where the worker ran the next step) and gives their blocks back."""
+    s = _async_scheduler(block_size=4, k=3)
+    s.add_request(_request("a", 6))
+    a = s.requests["a"]
+    out1 = s.schedule()  # the prefill: 6 tokens in blocks 0 and 1
+    out2 = s.schedule()  # the first decode, its token still in flight: 1 + 3 slots
+    assert out2.num_scheduled_tokens == {"a": 4}
+    assert out2.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    assert out2.cached_requests[0].new_block_ids == [2]  # positions 6..9
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (10, 5)
+    _fold(s, out1, {"a": [10]}, {})
+    out3 = s.schedule()  # as if step 2's three drafts are all accepted: positions 10..13
+    assert out3.cached_requests[0].new_block_ids == [3]
+    assert out3.cached_requests[0].num_computed_tokens == 10  # optimistic: the worker has 8
+    outputs = _fold(s, out2, {"a": [11, 20]}, {"a": 3})  # one of three drafts accepted
+    assert outputs[0].new_token_ids == [11, 20]
+    # The worker ran step 3 from position 8 (token 20) on, 4 tokens: 12 have KV once it is done.
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (12, 4)
+    assert s.kv.block_ids("a") == [0, 1, 2]  # block 3 held only slots past 12: given back
+    out4 = s.schedule()
+    assert out4.cached_requests[0].num_freed_blocks == 1
+    assert out4.cached_requests[0].new_block_ids == [4]  # block 3 went to the queue's back
+    assert out4.num_scheduled_tokens == {"a": 4}
+    _fold(s, out3, {"a": [21, 22, 23, 24]}, {"a": 3})  # all three accepted, then one more
+    assert a.num_computed_tokens == 16 and s.kv.block_ids("a") == [0, 1, 2, 4]
+    out5 = s.schedule()  # step 5 is in flight when step 4 ends the request
+    assert "a" in out5.num_scheduled_tokens
+    outputs = _fold(s, out4, {"a": [30, 0, 31]}, {"a": 3})  # EOS inside the accepted run
+    assert outputs[0].new_token_ids == [30, 0]
+    assert outputs[0].finish_reason == FinishReason.STOP
+    assert a.output_token_ids == [10, 11, 20, 21, 22, 23, 24, 30, 0]
+    assert s.kv.num_free_blocks == 16 and s.finished_ids == ["a"]
+    assert _fold(s, out5, {"a": [40, 41]}, {"a": 3}) == []  # its extra tokens are dropped
+    assert not s.has_unfinished_requests and a.output_token_ids[-1] == 0
+    assert (s.spec_stats.num_draft_tokens, s.spec_stats.num_accepted_tokens) == (9, 6)
+
+
+def test_async_speculation_slots_stop_at_the_length_limit_of_the_tokens_in_flight():
+    s = _async_scheduler(k=3)
+    s.add_request(_request("a", 5, max_tokens=6))
+    a = s.requests["a"]
+    out1 = s.schedule()
+    out2 = s.schedule()  # one token in flight; five to go: room for 3 drafts and one more
+    assert out2.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    _fold(s, out1, {"a": [7]}, {})
+    # Step 2 may emit four: then one is left, so step 3 gets no draft slot.
+    out3 = s.schedule()
+    assert out3.num_scheduled_tokens == {"a": 1} and not out3.scheduled_spec_decode_tokens
+    _fold(s, out2, {"a": [8, 9, 9, 9]}, {"a": 3})
+    out4 = s.schedule()  # five tokens known and the sixth in flight: nothing to schedule
+    assert not out4.num_scheduled_tokens
+    outputs = _fold(s, out3, {"a": [5]}, {})
+    assert outputs[0].new_token_ids == [5] and outputs[0].finish_reason == FinishReason.LENGTH
+    assert a.output_token_ids == [7, 8, 9, 9, 9, 5]
+    assert s.kv.num_free_blocks == 16 and not s.has_unfinished_requests
+
+
+def test_async_speculation_a_row_preempted_with_a_step_in_flight_keeps_its_tokens():
+    s = _async_scheduler(num_blocks=6, block_size=4, k=3)
+    s.add_request(_request("a", 8))
+    s.add_request(Request("b", list(range(101, 109)), SamplingParams(max_tokens=20),
+                          eos_token_id=0))  # another prompt: no prefix hit on a's blocks
+    a, b = s.requests["a"], s.requests["b"]
+    out1 = s.schedule()  # blocks 0, 1 (a) and 2, 3 (b)
+    out2 = s.schedule()  # 1 + 3 slots each: blocks 4 (a) and 5 (b); the pool is empty
+    assert out2.num_scheduled_tokens == {"a": 4, "b": 4}
+    _fold(s, out1, {"a": [10], "b": [20]}, {})
+    out3 = s.schedule()  # a needs a block: b, the newest, is preempted with step 2 in flight
+    assert out3.finished_request_ids == ["b"] and b.num_computed_tokens == 0
+    assert out3.num_scheduled_tokens == {"a": 1}  # room for a's own token only
+    assert out3.cached_requests[0].new_block_ids == [5]
+    _fold(s, out2, {"a": [11, 12], "b": [21, 22, 23, 24]}, {"a": 3, "b": 3})
+    # b's tokens count (its KV was intact when step 2 ran); it starts over with all of them.
+    assert b.output_token_ids == [20, 21, 22, 23, 24] and b.num_computed_tokens == 0
+    assert b.num_output_placeholders == 0 and s.kv.block_ids("b") == []
+    assert a.num_computed_tokens == 11 and s.kv.block_ids("a") == [0, 1, 4]
+    s.abort_requests(["a", "b"])
+    assert s.kv.num_free_blocks == 6
+
+
 # --------------------------------------------------------------------------------- config
 
 
@@ -233,10 +332,38 @@ def reference(plain_llm):
 @pytest.fixture(scope="module")
 def ngram_llm():
     """One ngram-speculating LLM for the tests that only generate with it (each counts its own
-    drafts through ``_count_spec``; none changes the runner)."""
+    drafts through ``_count_spec``; none changes the runner). Async scheduling is on (the
+    default): the worker drafts into the slots the scheduler reserved ahead."""
     from bastion.procs.llm import LLM
 
-    return LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    assert llm.engine.async_scheduling and llm.engine.executor.runner.is_async_spec
+    return llm
+
+
+@pytest.fixture(scope="module")
+def ngram_sync_llm():
+    """The same speculation with async scheduling off: the scheduler carries the drafts."""
+    from bastion.procs.llm import LLM
+
+    llm = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM,
+              async_scheduling=False)
+    assert not llm.engine.async_scheduling and not llm.engine.executor.runner.is_async_spec
+    return llm
+
+
+def _record_outputs(llm, monkeypatch) -> list:
+    """Every EngineCoreOutput the engine gives while the test runs."""
+    seen = []
+    step = llm.engine.step
+
+    def recording_step():
+        outputs = step()
+        seen.extend(outputs.outputs)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", recording_step)
+    return seen
 
 
 def _count_spec(llm) -> dict[str, int]:
@@ -259,8 +386,10 @@ def _count_spec(llm) -> dict[str, int]:
     return totals
 
 
-def test_ngram_greedy_is_token_identical_with_prefix_hits(reference, ngram_llm):
-    llm = ngram_llm
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
+def test_ngram_greedy_is_token_identical_with_prefix_hits(reference, ngram_llm, ngram_sync_llm,
+                                                          is_async):
+    llm = ngram_llm if is_async else ngram_sync_llm
     totals = _count_spec(llm)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outputs] == reference
@@ -270,19 +399,42 @@ def test_ngram_greedy_is_token_identical_with_prefix_hits(reference, ngram_llm):
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
 
 
-def test_ngram_with_chunked_prefill_and_preemption_is_token_identical(reference):
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
+def test_ngram_with_chunked_prefill_and_preemption_is_token_identical(reference, is_async):
     from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=8,
-              num_gpu_blocks_override=16, enable_prefix_caching=False, speculative_config=NGRAM)
+              num_gpu_blocks_override=16, enable_prefix_caching=False, speculative_config=NGRAM,
+              async_scheduling=is_async)
+    assert llm.engine.async_scheduling is is_async
     totals = _count_spec(llm)
     outputs = _greedy(llm, PROMPTS)
     assert [o.token_ids for o in outputs] == reference
     assert totals["preemptions"] > 0 and totals["accepted"] > 0
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+    assert all(b.ref_cnt == 0 for b in llm.engine.scheduler.kv.pool.blocks)
 
 
-def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm, ngram_llm, reference):
+def test_async_ngram_with_prefix_hits_chunked_prefill_and_preemption(reference):
+    """Prefix caching on in a pool too small for the batch: prefix hits, chunked prefills and
+    preemptions with steps in flight, all at once."""
+    from bastion.procs.llm import LLM
+
+    llm = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=8,
+              num_gpu_blocks_override=16, speculative_config=NGRAM)
+    assert llm.engine.async_scheduling
+    totals = _count_spec(llm)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert outputs[1].num_cached_tokens > 0
+    assert totals["preemptions"] > 0 and totals["accepted"] > 0
+    kv = llm.engine.scheduler.kv
+    assert kv.num_free_blocks == llm.engine.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm, ngram_llm, ngram_sync_llm,
+                                                       reference, monkeypatch):
     prompt = PROMPTS[0]
     # Stop ids and a stop string placed inside what will be an accepted run of drafts;
     # penalties and min_tokens, which read the drafts before each verified position. One batch
@@ -295,12 +447,22 @@ def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm, ngram_llm, ref
         {"min_tokens": 12, "stop_token_ids": [stop_id]})]
     params = [SamplingParams(temperature=0.0, **kw) for kw in variants]
     expected = [o.outputs[0] for o in plain_llm.generate([prompt] * len(params), params)]
+    got_sync = [o.outputs[0] for o in ngram_sync_llm.generate([prompt] * len(params), params)]
+    seen = _record_outputs(ngram_llm, monkeypatch)
     got = [o.outputs[0] for o in ngram_llm.generate([prompt] * len(params), params)]
     assert expected[0].token_ids[:len(reference[0])] == reference[0]
-    for kw, a, b in zip(variants, got, expected):
-        assert a.token_ids == b.token_ids, kw
+    for kw, a, s, b in zip(variants, got, got_sync, expected):
+        assert a.token_ids == s.token_ids == b.token_ids, kw
         assert (a.text, a.finish_reason, a.stop_reason) == (
-            b.text, b.finish_reason, b.stop_reason), kw
+            s.text, s.finish_reason, s.stop_reason) == (b.text, b.finish_reason,
+                                                        b.stop_reason), kw
+    # Under async scheduling the stop id, and max_tokens, ended their requests inside a run of
+    # accepted drafts (a step that emitted several tokens), with the next step in flight.
+    final = [o for o in seen if o.finish_reason is not None]
+    assert any(len(o.new_token_ids) > 1 and o.stop_reason == stop_id for o in final)
+    assert any(len(o.new_token_ids) > 1 and o.finish_reason == FinishReason.LENGTH
+               for o in final)
+    assert ngram_llm.engine.scheduler.kv.num_free_blocks == ngram_llm.engine.num_blocks
     # The stop id and the stop string ended their runs early; min_tokens held the stop id off.
     assert [got[i].finish_reason for i in (1, 2)] == ["stop"] * 2
     assert len(got[1].token_ids) == 10 < len(got[5].token_ids)
@@ -314,10 +476,16 @@ def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm, ngram_llm, ref
 
 def test_ngram_seeded_sampling_is_reproducible(ngram_llm):
     llm = ngram_llm
+    totals = _count_spec(llm)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=20)
     first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
     assert first == again and all(len(t) == 20 for t in first)
+    assert totals["draft_tokens"] > 0
+    # A seeded request's tokens do not depend on what else runs beside it.
+    mixed = llm.generate(PROMPTS[2:] + PROMPTS[:1], [SamplingParams(
+        temperature=0.0, max_tokens=20)] * 2 + [params])
+    assert mixed[2].outputs[0].token_ids == first[0]
 
 
 def _count_graph_runs(runner, name: str, calls: list[int]) -> None:
@@ -407,11 +575,16 @@ def test_draft_model_verify_steps_through_the_verify_graph_runner(reference,
 
 
 def test_random_draft_model_is_almost_never_accepted_and_changes_nothing(reference,
-                                                                         tiny_random_draft):
+                                                                         tiny_random_draft,
+                                                                         caplog):
     from bastion.procs.llm import LLM
 
-    llm = LLM(dtype="float32", max_model_len=256, speculative_config=_draft_config(
-        tiny_random_draft))
+    with caplog.at_level(logging.INFO, logger="bastion.core.engine_core"):
+        llm = LLM(dtype="float32", max_model_len=256, speculative_config=_draft_config(
+            tiny_random_draft))
+    # Async scheduling was asked for (the default) and is off, with the reason in the log.
+    assert not llm.engine.async_scheduling
+    assert "async scheduling is off: speculative decoding with a draft model" in caplog.text
     totals = _count_spec(llm)
     assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
     assert totals["draft_tokens"] > 0 and totals["accepted"] <= totals["draft_tokens"] // 10
