@@ -1,5 +1,5 @@
 """The CPU's C kernels (ops/cpu) against the torch code they replace: decode attention over
-the paged cache and the fallback when a kernel cannot be built."""
+the paged cache, greedy argmax, and the fallback when a kernel cannot be built."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from bastion.ops import attention as attention_ops
 from bastion.ops.attention import paged_attention, paged_attention_ref
 from bastion.ops.cpu import load_cpu_kernel
 from bastion.ops.cpu import paged_attention as cpu_attention
+from bastion.ops.cpu.argmax import argmax_rows
 
 has_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                   reason="no C compiler")
@@ -118,3 +119,18 @@ def test_kernels_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("BASTION_CPU_KERNELS", "0")
     assert load_cpu_kernel.__wrapped__("paged_attention") is None
 
+
+@has_compiler
+def test_argmax_is_torchs_on_ties_nans_infinities_and_strided_rows() -> None:
+    logits = torch.randn(9, 49152, generator=torch.Generator().manual_seed(3))
+    logits[1, [7, 4000]] = 1e9  # a tie: the first index
+    logits[2, [300, 20]] = float("nan")  # NaN beats everything: the first NaN
+    logits[3] = float("-inf")
+    logits[4, :100] = float("-inf")  # masked tokens (a grammar) before the maximum
+    logits[5, 64] = float("inf")
+    logits[6, -1] = 1e9  # the last column, past the last full chunk of 64
+    logits[7, 1:] = logits[7, 0]  # all equal
+    for rows in (logits, logits[:, :1000], logits[::2]):  # contiguous, row-strided
+        assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+    assert argmax_rows(logits[:, ::2]).tolist() == logits[:, ::2].argmax(dim=-1).tolist()
+    assert argmax_rows(torch.empty(0, 5)).shape == (0,)
