@@ -1,5 +1,5 @@
 """The CPU's C kernels (ops/cpu) against the torch code they replace: decode attention over
-the paged cache, greedy argmax, and the fallback when a kernel cannot be built."""
+the paged cache, rotary + KV store, greedy argmax, and the fallback when a kernel cannot be built."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from bastion.ops import attention as attention_ops
 from bastion.ops.attention import paged_attention, paged_attention_ref
 from bastion.ops.cpu import load_cpu_kernel
 from bastion.ops.cpu import paged_attention as cpu_attention
+from bastion.ops.cpu import rotary as cpu_rotary
 from bastion.ops.cpu.argmax import argmax_rows
+from bastion.ops.rotary import apply_rotary_emb, apply_rotary_emb_ref
 
 has_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                   reason="no C compiler")
@@ -134,3 +136,38 @@ def test_argmax_is_torchs_on_ties_nans_infinities_and_strided_rows() -> None:
         assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
     assert argmax_rows(logits[:, ::2]).tolist() == logits[:, ::2].argmax(dim=-1).tolist()
     assert argmax_rows(torch.empty(0, 5)).shape == (0,)
+
+
+@has_compiler
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
+def test_rotary_and_store_are_the_references_bit_for_bit(rotary_dim: int) -> None:
+    """Queries, keys and values as strided views of one fused QKV output; a padding token
+    (slot -1) stores nothing."""
+    num_tokens, num_heads, num_kv_heads, head_dim = 5, 9, 3, 64
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    positions = torch.tensor([0, 17, 300, 5, 0])
+    freqs = torch.outer(torch.arange(512.0), 1e4 ** -(torch.arange(0, rotary_dim, 2) / rotary_dim))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    slots = torch.tensor([3, 40, 41, 9, -1])
+    caches = [torch.zeros(4, 16, num_kv_heads, head_dim) for _ in range(4)]
+    fused = dict(value=v, slot_mapping=slots)
+    assert cpu_rotary.can_run(q, k, True, fused)
+    out = apply_rotary_emb(positions, q, k, cos_sin, head_dim, k_cache=caches[0],
+                           v_cache=caches[1], **fused)
+    ref = apply_rotary_emb_ref(positions, q, k, cos_sin, head_dim, k_cache=caches[2],
+                               v_cache=caches[3], **fused)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert int(caches[0].view(-1, num_kv_heads * head_dim).any(-1).sum()) == 4
+    without_store = apply_rotary_emb(positions, q, k, cos_sin, head_dim)
+    assert torch.equal(without_store[0], ref[0]) and torch.equal(without_store[1], ref[1])
+
+
+def test_rotary_with_qk_norms_takes_the_reference() -> None:
+    q, k = torch.randn(2, 16), torch.randn(2, 8)
+    assert not cpu_rotary.can_run(q, k, True, {"q_weight": torch.ones(8)})
+    assert not cpu_rotary.can_run(q, k, False, {})
+    assert not cpu_rotary.can_run(q.bfloat16(), k.bfloat16(), True, {})
