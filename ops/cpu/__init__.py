@@ -25,16 +25,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from bastion import envs
+
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).resolve().parent
 _COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11")
 _LINK_FLAGS = ("-shared", "-fopenmp")
 _LINK_LIBS = ("-lmvec", "-lm")  # libmvec: glibc's vector expf etc., which -ffast-math calls
-
-
-def is_enabled() -> bool:
-    return os.environ.get("BASTION_CPU_KERNELS", "1") != "0"
 
 
 @functools.cache
@@ -46,7 +44,7 @@ def load_cpu_kernel(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
     linked with it, gcc 12 adds crtfastmath.o, which switches the whole process to
     flush-to-zero when the library loads.
     """
-    if not is_enabled():
+    if not envs.get("BASTION_CPU_KERNELS"):
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -70,7 +68,7 @@ def load_cpu_kernel(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
 def _cache_dir() -> Path:
     """Beside the GGUF conversions (core/loader/gguf_loader.py's ``bastion_cache_dir``), named
     here so that ops/ does not import the loader."""
-    root = os.environ.get("BASTION_CACHE_DIR") or Path.home() / ".cache" / "bastion"
+    root = envs.get("BASTION_CACHE_DIR") or Path.home() / ".cache" / "bastion"
     return Path(root) / "cpu-kernels"
 
 
