@@ -48,7 +48,7 @@ def _paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         seq_ids = None if is_all_decode else torch.tensor(decode_ids, dtype=torch.int32)
         cpu_attention.paged_decode_attention_cpu(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            seq_ids, meta.max_seq_len, scale, out)
+            seq_ids, meta.max_decode_seq_len, scale, out)
     if not is_all_decode:
         decode_set = set(decode_ids)
         starts = meta.query_start_loc_cpu

@@ -50,6 +50,13 @@ class AttentionMetadata:
     def num_decode_seqs(self) -> int:
         return len(self.decode_seq_ids)
 
+    @functools.cached_property
+    def max_decode_seq_len(self) -> int:
+        """The longest context of a decode sequence (0 without one): what a decode kernel's
+        scratch must hold, often far less than ``max_seq_len`` in a step with a long prefill."""
+        lens = self.seq_lens_cpu
+        return max((lens[i] for i in self.decode_seq_ids), default=0)
+
 
 def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
                              block_tables: Sequence[Sequence[int]], block_size: int,

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
-from bastion.ops.cpu import load_cpu_kernel
+from bastion.ops.cpu import cpu_kernel
+
+_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+             ctypes.c_int)
 
 
-@functools.cache
 def _kernel() -> Callable[..., None] | None:
-    lib = load_cpu_kernel("argmax")
-    if lib is None:
-        return None
-    fn = lib.argmax_rows_f32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
-    return fn
+    return cpu_kernel("argmax", "argmax_rows_f32", _ARGTYPES)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

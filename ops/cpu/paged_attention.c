@@ -9,32 +9,61 @@
  *
  * Two passes per task: the scaled scores of every key into a scratch row per query head, then
  * an exact softmax (max, exp, sum) and the weighted sum of the values. ``scratch`` holds one
- * row of ``scratch_stride >= group * (max seq_len + head_dim)`` floats per thread. The launcher
- * (paged_attention.py) checks shapes, dtypes and contiguity; nothing is checked here.
+ * row of ``scratch_stride >= group * (max_len + head_dim)`` floats per thread.
+ *
+ * The launcher (paged_attention.py) checks shapes, dtypes and contiguity. What only the data
+ * can tell (a sequence id, a length, a block id, a query row) is checked here, per task: a task
+ * that would read or write outside its buffers is skipped and counted, and the count returned.
  */
 #include <math.h>
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 
-void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                                const int32_t *block_tables, int64_t table_stride,
-                                const int32_t *seq_lens, const int32_t *query_start_loc,
-                                const int32_t *seq_ids, int64_t num_seqs, float *out,
-                                int64_t num_q_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale,
-                                float *scratch, int64_t scratch_stride, int num_threads) {
+/* Whether a sequence's context stays inside the buffers: 1 <= len <= max_len (the scratch's
+ * bound) and the table's width, every block it reads inside the cache, its query row inside q.
+ * A malformed step (a scheduler bug) costs an error in the launcher, never a wild read. */
+static int task_is_valid(const int32_t *table, int64_t table_width, int64_t num_blocks,
+                         int64_t block_size, int64_t len, int64_t max_len, int64_t row,
+                         int64_t num_rows) {
+    if (len < 1 || len > max_len || len > table_width * block_size || row < 0 || row >= num_rows)
+        return 0;
+    for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++)
+        if (table[j] < 0 || table[j] >= num_blocks) return 0;
+    return 1;
+}
+
+int64_t paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                                   const int32_t *block_tables, int64_t table_stride,
+                                   int64_t table_width, int64_t num_batch,
+                                   const int32_t *seq_lens, const int32_t *query_start_loc,
+                                   const int32_t *seq_ids, int64_t num_seqs, int64_t num_rows,
+                                   int64_t num_blocks, float *out, int64_t num_q_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                   float scale, float *scratch, int64_t scratch_stride,
+                                   int64_t max_len, int num_threads) {
     const int64_t group = num_q_heads / num_kv_heads;
     const int64_t slot_stride = num_kv_heads * head_dim; /* floats from one slot to the next */
     const int64_t block_stride = block_size * slot_stride;
+    int64_t num_bad = 0;
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads) \
+    reduction(+ : num_bad)
     for (int64_t i = 0; i < num_seqs; i++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t b = seq_ids != NULL ? seq_ids[i] : i;
+            if (b < 0 || b >= num_batch) {
+                num_bad++;
+                continue;
+            }
             const int64_t len = seq_lens[b];
             const int64_t row = query_start_loc[b];
             const int32_t *table = block_tables + b * table_stride;
+            if (!task_is_valid(table, table_width, num_blocks, block_size, len, max_len, row,
+                               num_rows)) {
+                num_bad++;
+                continue;
+            }
             const float *qg = q + (row * num_q_heads + h * group) * head_dim;
             float *og = out + (row * num_q_heads + h * group) * head_dim;
             float *scores = scratch + omp_get_thread_num() * scratch_stride;
@@ -85,4 +114,5 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
             for (int64_t j = 0; j < group * head_dim; j++) og[j] = acc[j];
         }
     }
+    return num_bad;
 }

@@ -4,33 +4,25 @@ cache in place (float32 on the CPU)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
-from bastion.ops.cpu import load_cpu_kernel
+from bastion.ops.cpu import cpu_kernel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = (_P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64,
+             _I64, _I64, ctypes.c_float, _P, _I64, _I64, ctypes.c_int)
 
 
-@functools.cache
-def _kernel() -> Callable[..., None] | None:
-    # -ffast-math: the dot products vectorise as reassociated sums and exp becomes glibc's
-    # vector expf (0.55 against 0.83 ms for 16 sequences of 64-400 tokens, one core).
-    lib = load_cpu_kernel("paged_attention", ("-ffast-math",))
-    if lib is None:
-        return None
-    fn = lib.paged_decode_attention_f32
-    fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64,
-                   ctypes.c_float, _P, _I64, ctypes.c_int]
-    fn.restype = None
-    return fn
+def _kernel() -> Callable[..., int] | None:
+    return cpu_kernel("paged_attention", "paged_decode_attention_f32", _ARGTYPES, _I64)
 
 
 def can_run(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the C kernel takes these tensors: float32 CPU tensors, the caches contiguous,
-    and the kernel built (``ops/cpu``)."""
+    and the kernel on and built (``ops/cpu``). Other dtypes keep the reference: the kernel
+    accumulates in float32 and would not be the reference's arithmetic."""
     return (query.device.type == "cpu" and query.dtype == k_cache.dtype == v_cache.dtype
             == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
             and _kernel() is not None)
@@ -43,11 +35,15 @@ def paged_decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor,
                                out: torch.Tensor) -> None:
     """For each sequence of ``seq_ids`` (None: all), which has one new token at row
     ``query_start_loc[i]`` of ``query`` [T, Hq, D], write its attention over its first
-    ``seq_lens[i]`` cached keys and values (through ``block_tables`` [B, W], int32) to the same
-    row of ``out``. ``max_seq_len`` bounds every such ``seq_lens[i]`` (it sizes the scratch).
-    Check ``can_run`` first."""
-    _, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    ``seq_lens[i]`` cached keys and values (through ``block_tables`` [B, W], int32; entries past
+    a sequence's last block are never read) to the same row of ``out``. ``max_seq_len`` bounds
+    every such ``seq_lens[i]`` (it sizes the scratch). Check ``can_run`` first.
+
+    ValueError when the tensors disagree on their shapes, or when a sequence's length, block ids
+    or query row would take the kernel outside its buffers (it checks and skips those)."""
+    kernel = _kernel()
+    num_rows, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"query {tuple(query.shape)} and caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} disagree on the head size")
@@ -58,22 +54,32 @@ def paged_decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor,
         raise ValueError(f"out must be a contiguous {query.dtype} {tuple(query.shape)}")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
                     ("query_start_loc", query_start_loc), ("seq_ids", seq_ids)):
-        if t is not None and (t.dtype != torch.int32 or t.stride(-1) != 1):
-            raise ValueError(f"{name} must be int32 with unit stride; got {t.dtype}, "
-                             f"strides {t.stride()}")
-    if block_tables.shape[1] * block_size < max_seq_len:
-        raise ValueError(f"block tables of {block_tables.shape[1]} blocks of {block_size} "
-                         f"cannot hold a context of {max_seq_len} tokens")
-    num_seqs = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.int32
+                              or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be a CPU int32 tensor with unit stride; got "
+                             f"{t.dtype} on {t.device}, strides {t.stride()}")
+    num_batch = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] < num_batch \
+            or query_start_loc.shape[0] < num_batch:
+        raise ValueError(f"{num_batch} sequences need as many block table rows and query "
+                         f"starts; got {tuple(block_tables.shape)} and "
+                         f"{tuple(query_start_loc.shape)}")
+    num_seqs = num_batch if seq_ids is None else seq_ids.shape[0]
     if num_seqs == 0:
         return
     query = query.contiguous()
     num_threads = torch.get_num_threads()
-    group = num_q_heads // num_kv_heads
-    stride = group * (max_seq_len + head_dim)
+    stride = num_q_heads // num_kv_heads * (max_seq_len + head_dim)
     scratch = torch.empty(num_threads, stride, dtype=torch.float32)
-    _kernel()(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-              block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(),
-              None if seq_ids is None else seq_ids.data_ptr(), num_seqs, out.data_ptr(),
-              num_q_heads, num_kv_heads, head_dim, block_size, scale, scratch.data_ptr(),
-              stride, num_threads)
+    num_bad = kernel(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), block_tables.shape[1], num_batch, seq_lens.data_ptr(),
+        query_start_loc.data_ptr(), None if seq_ids is None else seq_ids.data_ptr(), num_seqs,
+        num_rows, num_blocks, out.data_ptr(), num_q_heads, num_kv_heads, head_dim, block_size,
+        scale, scratch.data_ptr(), stride, max_seq_len, num_threads)
+    if num_bad:
+        raise ValueError(
+            f"{num_bad} (sequence, KV head) pairs of a decode step point outside the cache: a "
+            f"sequence id past {num_batch}, a length outside [1, {max_seq_len}] or past its "
+            f"table of {block_tables.shape[1]} blocks of {block_size}, a block id outside "
+            f"[0, {num_blocks}), or a query row outside [0, {num_rows})")

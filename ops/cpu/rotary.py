@@ -4,27 +4,19 @@ the store of keys and values in the paged cache (float32 on the CPU)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
-from bastion.ops.cpu import load_cpu_kernel
+from bastion.ops.cpu import cpu_kernel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = (_P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
+             _P, _P, _P, _I64, ctypes.c_int)
 
 
-@functools.cache
-def _kernel() -> Callable[..., None] | None:
-    # -ffp-contract=off: no fused multiply-adds, so the rounding is torch's (rotary.c).
-    lib = load_cpu_kernel("rotary", ("-ffp-contract=off",))
-    if lib is None:
-        return None
-    fn = lib.rotary_store_f32
-    fn.argtypes = [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P,
-                   _P, _P, _P, ctypes.c_int]
-    fn.restype = None
-    return fn
+def _kernel() -> Callable[..., int] | None:
+    return cpu_kernel("rotary", "rotary_store_f32", _ARGTYPES, _I64)
 
 
 def can_run(query: torch.Tensor, key: torch.Tensor, is_neox_style: bool,
@@ -46,9 +38,14 @@ def rotary_store_cpu(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     rotated key and ``value`` at ``slot_mapping`` (slots < 0 skipped). ``positions`` must index
     rows of ``cos_sin_cache``. Check ``can_run`` first."""
     num_tokens = positions.shape[0]
+    if query.shape[0] != num_tokens or key.shape[0] != num_tokens or (
+            k_cache is not None and (value.shape[0] != num_tokens
+                                     or slot_mapping.shape[0] != num_tokens)):
+        raise ValueError(f"{num_tokens} positions need as many query, key, value and slot rows")
     rotary_dim = cos_sin_cache.shape[1]
     q2, k2 = query.reshape(num_tokens, -1), key.reshape(num_tokens, -1)
-    if q2.shape[1] % head_size or k2.shape[1] % head_size or rotary_dim > head_size:
+    if (q2.shape[1] % head_size or k2.shape[1] % head_size or rotary_dim > head_size
+            or rotary_dim % 2):
         raise ValueError(f"query/key widths {q2.shape[1]}, {k2.shape[1]} and rotary dim "
                          f"{rotary_dim} do not fit heads of {head_size}")
     if (positions.dtype != torch.int64 or not positions.is_contiguous() or q2.stride(1) != 1
@@ -68,11 +65,18 @@ def rotary_store_cpu(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                              "caches [num_blocks, block_size, Hk, D] and int64 slot_mapping")
     q_out = torch.empty(q2.shape, dtype=torch.float32)
     k_out = torch.empty(k2.shape, dtype=torch.float32)
-    if num_tokens:
-        _kernel()(positions.data_ptr(), num_tokens, q2.data_ptr(), q2.stride(0), k2.data_ptr(),
-                  k2.stride(0), v2.data_ptr() if store else None, v2.stride(0) if store else 0,
-                  cos_sin_cache.data_ptr(), rotary_dim, q2.shape[1] // head_size,
-                  k2.shape[1] // head_size, head_size, q_out.data_ptr(), k_out.data_ptr(),
-                  k_cache.data_ptr() if store else None, v_cache.data_ptr() if store else None,
-                  slot_mapping.data_ptr() if store else None, torch.get_num_threads())
+    if not num_tokens:
+        return q_out, k_out
+    max_position = cos_sin_cache.shape[0]
+    num_slots = k_cache.numel() // k2.shape[1] if store else 0
+    num_bad = _kernel()(
+        positions.data_ptr(), num_tokens, q2.data_ptr(), q2.stride(0), k2.data_ptr(),
+        k2.stride(0), v2.data_ptr() if store else None, v2.stride(0) if store else 0,
+        cos_sin_cache.data_ptr(), max_position, rotary_dim, q2.shape[1] // head_size,
+        k2.shape[1] // head_size, head_size, q_out.data_ptr(), k_out.data_ptr(),
+        k_cache.data_ptr() if store else None, v_cache.data_ptr() if store else None,
+        slot_mapping.data_ptr() if store else None, num_slots, torch.get_num_threads())
+    if num_bad:
+        raise ValueError(f"{num_bad} of {num_tokens} tokens have a position outside "
+                         f"[0, {max_position}) or a KV slot past the cache's {num_slots}")
     return q_out, k_out
