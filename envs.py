@@ -51,6 +51,9 @@ VARIABLES: dict[str, EnvVar] = {
         "", _text, "prefill attention's launch shape, as the decode one"),
     "BASTION_SPLIT_MIXED_ATTENTION": EnvVar(
         True, _flag, "0: a mixed batch's decode rows run in the prefill attention launch"),
+    "BASTION_CPU_KERNELS": EnvVar(
+        True, _flag, "0: the CPU path runs the torch references instead of its C kernels "
+        "(ops/cpu: decode attention, rotary + KV store, greedy argmax)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

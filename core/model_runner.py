@@ -40,6 +40,7 @@ from bastion.ipc.messages import (
     SchedulerOutput,
 )
 from bastion.ops.communicator import get_tp_group
+from bastion.ops.cpu import describe_cpu_path
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +264,10 @@ class ModelRunner:
                 self.model, self.resolved.hf_config, self.config.lora,
                 sched.max_num_batched_tokens + sched.max_num_seqs, self.dtype, self.device)
         logger.info("model loaded in %.2f s", time.perf_counter() - start)
+        if self.device.type == "cpu":
+            # Which attention / rotary / argmax path runs, and the kernels built before a
+            # request arrives (a first build takes about a second).
+            logger.info("CPU kernels: %s", describe_cpu_path(self.dtype))
 
     def add_lora(self, request: LoRARequest) -> bool:
         """Read and check an adapter into the host cache (ValueError naming what is wrong)."""

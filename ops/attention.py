@@ -1,4 +1,10 @@
-"""Paged attention: causal attention of new tokens over their whole context in the paged cache."""
+"""Paged attention: causal attention of new tokens over their whole context in the paged cache.
+
+On a GPU, one Triton kernel (``triton/unified_attention.py``). On the CPU, decode rows go
+through a C kernel that reads the cache in place (``cpu/paged_attention.c``; float32 only) and
+prefill rows through ``scaled_dot_product_attention`` over their gathered context; other dtypes,
+or a machine without a C compiler, take the torch reference for every row.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from bastion.ops.attention_metadata import AttentionMetadata
 from bastion.ops._dispatch import triton_launcher, use_triton
+from bastion.ops.cpu import paged_attention as cpu_attention
 
 # Decode batches gather their context in chunks of at most this many key elements (per cache),
 # so a large batch never materialises one huge gathered copy of the cache.
@@ -24,7 +31,31 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         launcher = triton_launcher("unified_attention", "paged_attention_triton")
         if launcher is not None:
             return launcher(query, k_cache, v_cache, meta, scale)
+    if cpu_attention.can_run(query, k_cache, v_cache):
+        return _paged_attention_cpu(query, k_cache, v_cache, meta, scale)
     return paged_attention_ref(query, k_cache, v_cache, meta, scale)
+
+
+def _paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode rows in one call of the C kernel, each prefill (or chunk) as the reference does."""
+    decode_ids = meta.decode_seq_ids
+    is_all_decode = len(decode_ids) == meta.num_seqs
+    # Rows no sequence owns (padding) must read zero, as the reference leaves them.
+    out = (torch.empty_like(query) if is_all_decode and query.shape[0] == meta.num_seqs
+           else torch.zeros_like(query))
+    if decode_ids:
+        seq_ids = None if is_all_decode else torch.tensor(decode_ids, dtype=torch.int32)
+        cpu_attention.paged_decode_attention_cpu(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            seq_ids, meta.max_decode_seq_len, scale, out)
+    if not is_all_decode:
+        decode_set = set(decode_ids)
+        starts = meta.query_start_loc_cpu
+        for i in range(meta.num_seqs):
+            if i not in decode_set and starts[i + 1] > starts[i]:
+                _prefill_one(query, k_cache, v_cache, meta, scale, i, out)
+    return out
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

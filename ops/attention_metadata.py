@@ -7,6 +7,7 @@ to the model's attention layers.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,10 +40,22 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @functools.cached_property
-    def num_decode_seqs(self) -> int:
-        """Sequences with exactly one new token (counted once a step, shared by the layers)."""
+    def decode_seq_ids(self) -> list[int]:
+        """The sequences with exactly one new token, in order (found once a step, shared by
+        the layers)."""
         qsl = self.query_start_loc_cpu
-        return sum(1 for a, b in zip(qsl, qsl[1:]) if b - a == 1)
+        return [i for i, (a, b) in enumerate(itertools.pairwise(qsl)) if b - a == 1]
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return len(self.decode_seq_ids)
+
+    @functools.cached_property
+    def max_decode_seq_len(self) -> int:
+        """The longest context of a decode sequence (0 without one): what a decode kernel's
+        scratch must hold, often far less than ``max_seq_len`` in a step with a long prefill."""
+        lens = self.seq_lens_cpu
+        return max((lens[i] for i in self.decode_seq_ids), default=0)
 
 
 def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],

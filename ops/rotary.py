@@ -1,10 +1,15 @@
 """Rotary position embedding applied to query and key, optionally fused with Qwen3's per-head
-q/k RMSNorm before it and the KV-cache store after it."""
+q/k RMSNorm before it and the KV-cache store after it.
+
+On a GPU one Triton kernel does all three; on the CPU a C kernel rotates and stores float32
+rows in one pass (``cpu/rotary.c``; neox style without the norms), the torch reference the rest.
+"""
 
 from __future__ import annotations
 
 import torch
 from bastion.ops._dispatch import triton_launcher, use_triton
+from bastion.ops.cpu import rotary as cpu_rotary
 from bastion.ops.kv_store import store_kvcache_ref
 from bastion.ops.layernorm import rms_norm_ref
 
@@ -27,6 +32,9 @@ def apply_rotary_emb(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         if launcher is not None:
             return launcher(positions, query, key, cos_sin_cache, head_size, is_neox_style,
                             **fused)
+    if cpu_rotary.can_run(query, key, is_neox_style, fused):
+        return cpu_rotary.rotary_store_cpu(positions, query, key, cos_sin_cache, head_size,
+                                           **fused)
     return apply_rotary_emb_ref(positions, query, key, cos_sin_cache, head_size, is_neox_style,
                                 **fused)
 

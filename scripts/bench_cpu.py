@@ -1,23 +1,30 @@
 """The embedded SmolLM2-135M on the CPU: bastion against transformers and llama.cpp (issue #26).
 
-One command prints the whole table:
+The issue's measurement, bastion's default CPU path only (about 3 minutes on a quiet 2-core
+machine), one command:
 
     .venv/bin/python scripts/bench_cpu.py
 
 Every engine gets the same GGUF file and the same token ids, greedy, ``--new-tokens`` (128) new
 tokens with EOS ignored, at 1 and 2 threads, batch 1 (one 64-token prompt) and batch 16 (16
 prompts of 64-256 random token ids, seed 0); the figure is output tokens over the wall time of
-one whole generate call (prefill included), the median of ``--repeats`` (3) after one warm-up.
-Each (engine, threads) pair runs in its own process, so thread pools never mix.
+one whole generate call, prefill included (bastion runs without prefix caching, so a repeat
+prefills again), the median of ``--repeats`` (3) after one short warm-up. Each (engine, threads)
+pair runs in its own process, so thread pools never mix. The last rows are the issue's llama.cpp
+figures, and each bastion cell says how far it is from the one of its thread count.
 
-Engines: bastion's ``LLM`` with its CPU default (GGUF weights kept quantized, float32
-activations) and with ``--dtype float32`` (the dequantized path); transformers ``generate`` in
-float32 (batch 16 with left padding); llama.cpp through ``llama-cpp-python`` when it is
-installed (batch 1 only: its Python API decodes one sequence; a printed note otherwise).
+Engines (``--engines``; the default is ``bastion`` alone): bastion's ``LLM`` with its CPU default
+(GGUF weights kept quantized, float32 activations, the C kernels of ops/cpu), ``bastion-ref``
+(the same with ``BASTION_CPU_KERNELS=0``: the torch references, for an A/B of the kernels),
+``bastion-f32`` (``--dtype float32``, the dequantized path); transformers ``generate`` in float32
+(batch 16 with left padding); llama.cpp through ``llama-cpp-python`` when it is installed (batch
+1 only: its Python API decodes one sequence; a printed note otherwise). Each extra engine adds
+1-5 minutes.
 
-Beside each row: the bytes of weights the engine reads per decode step (``MB/step``), and the
-floor, the batch-1 speed that reading them at the measured memory bandwidth would allow
-(``--threads`` threads copying a 256 MB buffer; KV-cache reads and compute are left out).
+Beside each row: which CPU path ran (bastion's start-up line), the bytes of weights the engine
+reads per decode step (``MB/step``), and the floor, the batch-1 speed that reading them at the
+measured memory bandwidth would allow (``--threads`` threads copying a 256 MB buffer; KV-cache
+reads and compute are left out).
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ import subprocess
 import sys
 import time
 
-ENGINES = ("bastion", "bastion-f32", "transformers", "llama.cpp")
+ENGINES = ("bastion", "bastion-ref", "bastion-f32", "transformers", "llama.cpp")
+# The issue's llama.cpp figures (tok/s), by threads: batch 1 (llama-cli), batch 16 (llama-server,
+# 16 slots).
+LLAMA_CPP_ISSUE = {1: {1: 63.9, 16: 66.2}, 2: {1: 95.9, 16: 119.8}}
 
 
 def workload(batch: int, seed: int = 0) -> list[list[int]]:
@@ -56,8 +66,8 @@ def memory_bandwidth_gbs(threads: int) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def _timed(run, repeats: int) -> float:
-    run()  # warm-up: first-use conversions, allocations
+def _timed(run, repeats: int, warmup=None) -> float:
+    (warmup or run)()  # first-use conversions, allocations
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -69,22 +79,27 @@ def _timed(run, repeats: int) -> float:
 def run_bastion(
     dtype: str, threads: int, batches: list[int], new_tokens: int, repeats: int
 ) -> list[dict]:
-    from bastion.procs.llm import LLM
     from bastion.core.loader import weight_bytes_per_step
     from bastion.ipc.messages import SamplingParams
+    from bastion.ops.cpu import describe_cpu_path
+    from bastion.procs.llm import LLM
 
-    llm = LLM(dtype=dtype, max_model_len=512, cpu_threads=threads)
-    model = llm.engine.executor.runner.model
+    llm = LLM(dtype=dtype, max_model_len=512, cpu_threads=threads, enable_prefix_caching=False)
+    runner = llm.engine.executor.runner
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cpu_path = describe_cpu_path(runner.dtype).split(" (")[0]
     rows = []
     for batch in batches:
         prompts = [{"prompt_token_ids": p} for p in workload(batch)]
-        seconds = _timed(lambda p=prompts: llm.generate(p, sp, use_tqdm=False), repeats)
+        seconds = _timed(lambda p=prompts: llm.generate(p, sp, use_tqdm=False), repeats,
+                         lambda p=prompts: llm.generate(p, short, use_tqdm=False))
         rows.append(
             {
                 "batch": batch,
                 "tok_s": batch * new_tokens / seconds,
-                "bytes_per_step": weight_bytes_per_step(model),
+                "bytes_per_step": weight_bytes_per_step(runner.model),
+                "cpu_path": cpu_path,
             }
         )
     return rows
@@ -155,7 +170,7 @@ def run_llama_cpp(threads: int, batches: list[int], new_tokens: int, repeats: in
 
 def worker(engine: str, threads: int, batches: list[int], new_tokens: int, repeats: int) -> None:
     if engine.startswith("bastion"):
-        dtype = "auto" if engine == "bastion" else "float32"
+        dtype = "float32" if engine == "bastion-f32" else "auto"
         rows = run_bastion(dtype, threads, batches, new_tokens, repeats)
     elif engine == "transformers":
         rows = run_transformers(threads, batches, new_tokens, repeats)
@@ -176,7 +191,7 @@ def _available(engine: str) -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    p.add_argument("--engines", nargs="+", default=["bastion"], choices=ENGINES)
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     p.add_argument("--new-tokens", type=int, default=128)
@@ -186,6 +201,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.batches, args.new_tokens, args.repeats)
         return
+    started = time.perf_counter()
     print(
         f"# greedy, {args.new_tokens} new tokens, median of {args.repeats}; "
         f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
@@ -194,6 +210,7 @@ def main() -> None:
         "engine",
         "threads",
         *[f"batch {b} tok/s" for b in args.batches],
+        "CPU path",
         "MB/step",
         "floor b1 tok/s",
     ]
@@ -220,7 +237,10 @@ def main() -> None:
                 "--repeats",
                 str(args.repeats),
             ]
-            out = subprocess.run(cmd, check=False, capture_output=True, text=True)
+            env = dict(os.environ)
+            if engine == "bastion-ref":
+                env["BASTION_CPU_KERNELS"] = "0"
+            out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
             line = next((s for s in out.stdout.splitlines() if s.startswith("RESULT ")), None)
             if line is None:
                 print(f"| {engine} | {threads} | failed: {out.stderr.strip().splitlines()[-1:]} |")
@@ -228,14 +248,27 @@ def main() -> None:
             result = json.loads(line.removeprefix("RESULT "))
             rows = result["rows"]
             nbytes = rows[0]["bytes_per_step"]
-            cells = [f"{r['tok_s']:.1f}" if r["tok_s"] is not None else "n/a" for r in rows]
+            cells = [_cell(r["tok_s"], LLAMA_CPP_ISSUE.get(threads, {}).get(r["batch"])
+                           if engine.startswith("bastion") else None) for r in rows]
             floor = result["bandwidth_gbs"] * 1e9 / nbytes
             print(
                 f"| {engine} | {threads} | "
                 + " | ".join(cells)
-                + f" | {nbytes / 1e6:.0f} | {floor:.0f} |",
+                + f" | {rows[0].get('cpu_path', '-')} | {nbytes / 1e6:.0f} | {floor:.0f} |",
                 flush=True,
             )
+    for threads in args.threads:
+        if threads in LLAMA_CPP_ISSUE:
+            cells = [_cell(LLAMA_CPP_ISSUE[threads].get(b), None) for b in args.batches]
+            print(f"| llama.cpp (issue #26) | {threads} | " + " | ".join(cells) + " | - | - | - |")
+    print(f"# {time.perf_counter() - started:.0f} s")
+
+
+def _cell(tok_s: float | None, reference: float | None) -> str:
+    """``tok/s`` and, beside a reference figure, its share of it (``41.0 (64%)``)."""
+    if tok_s is None:
+        return "n/a"
+    return f"{tok_s:.1f}" + (f" ({tok_s / reference:.0%})" if reference else "")
 
 
 if __name__ == "__main__":

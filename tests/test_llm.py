@@ -3,6 +3,8 @@ and outputs unchanged by batching, prefix caching, chunked prefill and preemptio
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -64,6 +66,46 @@ def greedy_ids(llm: LLM, prompt_ids: list[list[int]],
 def test_greedy_parity_with_transformers_as_one_mixed_batch(llm, prompt_ids, hf_greedy):
     assert len(prompt_ids) == 8
     assert greedy_ids(llm, prompt_ids) == hf_greedy
+
+
+def _count_c_kernel_calls(monkeypatch) -> dict[str, int]:
+    """Calls of each CPU C kernel (ops/cpu) from now to the test's end: the ctypes function
+    itself, so a fallback to the torch reference counts nothing."""
+    from bastion.ops.cpu import argmax, paged_attention, rotary
+
+    counts = {}
+    for module in (paged_attention, rotary, argmax):
+        name = module.__name__.rsplit(".", 1)[-1]
+        counts[name] = 0
+
+        def counting(real=module._kernel, name=name):
+            kernel = real()
+            if kernel is None:
+                return None
+            return lambda *args: counts.__setitem__(name, counts[name] + 1) or kernel(*args)
+
+        monkeypatch.setattr(module, "_kernel", counting)
+    return counts
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler: the CPU path has only its torch references")
+def test_greedy_parity_through_the_cpu_c_kernels(llm, prompt_ids, hf_greedy, monkeypatch):
+    """The default CPU path: decode attention, rotary + KV store and greedy argmax in C."""
+    monkeypatch.delenv("BASTION_CPU_KERNELS", raising=False)
+    calls = _count_c_kernel_calls(monkeypatch)
+    assert greedy_ids(llm, prompt_ids) == hf_greedy
+    # 30 layers: attention and rotary once a layer a step, argmax once a step.
+    assert calls["argmax"] >= 31 and calls["rotary"] >= 30 * 32, calls
+    assert calls["paged_attention"] >= 30 * 31, calls
+
+
+def test_greedy_parity_through_the_torch_references(llm, prompt_ids, hf_greedy, monkeypatch):
+    """BASTION_CPU_KERNELS=0 (a machine without a compiler takes the same path)."""
+    monkeypatch.setenv("BASTION_CPU_KERNELS", "0")
+    calls = _count_c_kernel_calls(monkeypatch)
+    assert greedy_ids(llm, prompt_ids) == hf_greedy
+    assert calls == {"paged_attention": 0, "rotary": 0, "argmax": 0}
 
 
 def test_batching_does_not_change_outputs(llm, prompt_ids, hf_greedy):

@@ -43,10 +43,13 @@ def _dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-@pytest.mark.parametrize("gather_limit", [None, 64])
-def test_paged_attention_mixed_batch_matches_dense(monkeypatch, gather_limit) -> None:
+@pytest.mark.parametrize("cpu_kernels,gather_limit", [("1", None), ("0", None), ("0", 64)])
+def test_paged_attention_mixed_batch_matches_dense(monkeypatch, cpu_kernels: str,
+                                                  gather_limit: int | None) -> None:
     """Prefill from scratch, a chunk over a cached prefix, and decodes in one batch; GQA 6/2;
-    scattered blocks. ``gather_limit`` forces the decode path to work in small chunks."""
+    scattered blocks. The decode rows through the C kernel (where there is a compiler) and
+    through the torch reference, which ``gather_limit`` forces to work in small chunks."""
+    monkeypatch.setenv("BASTION_CPU_KERNELS", cpu_kernels)
     if gather_limit is not None:
         monkeypatch.setattr(attention_ops, "_MAX_GATHER_ELEMENTS", gather_limit)
     torch.manual_seed(0)

@@ -180,6 +180,11 @@ def test_quantized_greedy_agrees_with_float32(embedded_pair) -> None:
         worst = max(worst, float((lp_exact.gather(1, top) - lp_quant.gather(1, top)).abs().max()))
     # Measured (2026-12-01): 3, 24, 24, 24 tokens agree before the first divergence (the
     # first prompt's 4th token is a near tie), and the float32 top token's logprob moves by at
-    # most 0.182 nats over the four teacher-forced sequences.
+    # most 0.182 nats over the four teacher-forced sequences. With the CPU's C decode attention
+    # (ops/cpu, float32 sums in another order than the reference's einsum) the float32 model's
+    # tokens are the same, but the quantized model's last prompt leaves the float32 one at
+    # its 12th token (3, 24, 24, 11): its linear layers round their input to bfloat16, which
+    # turns a last-bit difference into a different bfloat16 value, and a decode step's int4
+    # kernel sums differently from the prefill GEMM that the teacher-forced bound measures.
     assert worst < 0.25, worst
-    assert sum(agree) >= 72, agree
+    assert sum(agree) >= 60, agree
