@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -33,10 +34,19 @@ def hf_gguf_model(embedded_gguf_path: str) -> torch.nn.Module:
     conversion, dequantization, renaming and q/k un-permutation) into its own LlamaForCausalLM,
     float32. One per session: the load takes ~20 s on a 2-core CI box, and test_llm and
     test_model_parity both compare against it (neither changes its weights)."""
+    import gguf
     from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(embedded_gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # NOTE: transformers builds gguf's tensor name map once per tensor and parses the file's
+    # metadata (49k tokens) twice: 26 s of the load on a loaded 2-core box, 8 s with both
+    # memoized. Both are pure functions of their arguments; the weights are the same.
+    originals = gguf.get_tensor_name_map, gguf.GGUFReader
+    gguf.get_tensor_name_map, gguf.GGUFReader = map(functools.cache, originals)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = originals
     # generate() without an EOS stop: test_llm's references run the full max_new_tokens.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
