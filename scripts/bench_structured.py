@@ -17,7 +17,7 @@ Qwen3's would:
 Each configuration runs a warm-up batch (grammars compiled, kernels built), then a timed batch
 of ``batch`` requests driven step by step through ``EngineCore``; a step counts when every
 request of the batch is running (no prefill, no tail). Prints the median step time, the median
-time of one bitmask fill (its own time on the engine's fill thread), and the
+time of one bitmask fill (xgrammar's own time, on the engine's fill thread or not), and the
 overhead against unconstrained.
 
 Without a GPU, ``--simulate-device-ms F`` runs the real engine (scheduler, matchers, fills)
@@ -222,6 +222,9 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None,
                    help="a folder with a tokenizer for the stand-in vocabulary of a dummy model "
                         "(default: the embedded model's)")
+    p.add_argument("--fill-in-background", choices=("auto", "yes", "no"), default="auto",
+                   help="the engine fills bitmasks on a thread of its own (auto: with 4 or "
+                        "more cores)")
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="no model: a simulated device whose forward takes this long (the "
                         "Qwen3-0.6B config's vocabulary, stand-in tokens)")
@@ -251,6 +254,8 @@ def main() -> None:
             eos_token_id = vocab_size - 1
         title = f"{args.model or 'embedded SmolLM2-135M'} on {args.device}, {args.dtype}"
         shutdown = llm.shutdown
+    if args.fill_in_background != "auto":
+        engine.structured_output.fill_in_background = args.fill_in_background == "yes"
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
     rows = []

@@ -17,7 +17,7 @@ from bastion.core.structured_output.bitmask import (
     apply_grammar_bitmask,
     apply_token_bitmask_reference,
 )
-from bastion.core.structured_output.fill import FillThread
+from bastion.core.structured_output.fill import BitmaskFiller
 from bastion.ipc.messages import (
     EngineCoreRequest,
     GrammarBitmask,
@@ -104,11 +104,13 @@ class _RecordingExecutor:
         pass
 
 
-def _engine(vocabulary, async_scheduling: bool = True) -> tuple[EngineCore, _RecordingExecutor]:
+def _engine(vocabulary, async_scheduling: bool = True,
+            fill_in_background: bool = True) -> tuple[EngineCore, _RecordingExecutor]:
     config = build_engine_config(device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
                                  async_scheduling=async_scheduling)
     executor = _RecordingExecutor()
     engine = EngineCore(config, executor, 128, tokenizer=vocabulary)
+    engine.structured_output.fill_in_background = fill_in_background
     fill, fold = engine.scheduler.grammar_bitmask, engine.scheduler.update_from_output
 
     def recorded_fill(sched):
@@ -141,8 +143,10 @@ def _requests(max_tokens: int = 5) -> list[EngineCoreRequest]:
         for i in range(2)]
 
 
-def test_next_step_is_sent_before_the_bitmask_and_its_fill_starts_at_the_fold(toy_vocabulary):
-    engine, executor = _engine(toy_vocabulary)
+@pytest.mark.parametrize("fill_in_background", [True, False])
+def test_next_step_is_sent_before_the_bitmask_and_its_fill_starts_at_the_fold(
+        toy_vocabulary, fill_in_background):
+    engine, executor = _engine(toy_vocabulary, fill_in_background=fill_in_background)
     try:
         tokens = _run(engine, _requests())
     finally:
@@ -215,6 +219,7 @@ def test_runner_launches_a_step_held_behind_a_bitmask_right_after_that_sampling(
         reference = [o.outputs[0].token_ids for o in sync.generate(prompts, params,
                                                                    use_tqdm=False)]
     with LLM(dtype="float32", max_model_len=256) as llm:
+        llm.engine.structured_output.fill_in_background = True  # as on a GPU host's cores
         runner = llm.engine.executor.runner
         runner.graph_runner = runner.build_graph_runner()
         events: list[tuple[str, int]] = []
@@ -250,7 +255,8 @@ def test_runner_launches_a_step_held_behind_a_bitmask_right_after_that_sampling(
 
 
 def test_parallel_fill_equals_each_matchers_own(chat_ids):
-    """A fill split over xgrammar's threads writes exactly what each matcher fills alone."""
+    """A fill split over xgrammar's threads, on the fill thread or not, writes exactly what
+    each matcher fills alone."""
     import xgrammar as xgr
 
     from bastion.core.config import ModelConfig
@@ -268,11 +274,13 @@ def test_parallel_fill_equals_each_matchers_own(chat_ids):
         assert g.matcher.accept_string('{"a'[:i % 4])
     grammars[3].is_active = False  # a reasoning row before its start token: everything
     words = xgr.get_bitmask_shape(1, vocab_size)[1]
-    fill = FillThread(num_threads=2)
-    try:
-        msg = fill.fill(7, [f"r{i}" for i in range(20)], grammars, words).result()
-    finally:
-        fill.shutdown()
+    msgs = []
+    for background in (True, False):
+        filler = BitmaskFiller(num_threads=2, background=background)
+        msgs.append(filler.fill(7, [f"r{i}" for i in range(20)], grammars, words).result())
+        filler.shutdown()
+    msg = msgs[0]
+    assert msgs[1] == msg
     got = np.frombuffer(msg.bitmask, dtype=np.int32).reshape(20, words)
     expected = np.empty_like(got)
     for i, g in enumerate(grammars):

@@ -1,16 +1,18 @@
-"""Filling a step's next-token bitmask off the engine's thread.
+"""Filling a step's next-token bitmask, off the engine's thread where there are cores for it.
 
 A grammar step's bitmask can be filled only once the step before it is folded in (its matchers
 then hold every token but the one the step samples), and the device samples that step only once
 the bitmask arrives: the fill sits on the path from one step's tokens to the next step's
-sampling. The engine therefore starts it on its own thread right after the fold and collects it
-after it has scheduled and sent the next step, so the fill runs while the engine schedules.
+sampling. The engine therefore starts it right after the fold and collects it after it has
+scheduled and sent the next step; on the fill thread it runs while the engine schedules.
 
 xgrammar's fill runs in C++ with the GIL released, but the thread that calls it needs the GIL to
 get there; a waiting thread gets it only when the holder blocks, or after the interpreter's
-switch interval (5 ms, several steps). ``FillThread.submit`` therefore blocks until the fill
-thread has taken the job, a hand-off of a few microseconds, instead of letting the fill start
-whenever the engine next happens to block.
+switch interval (5 ms, several steps). ``BitmaskFiller`` therefore blocks until the fill thread
+has taken the job (a hand-off of two thread wake-ups) instead of letting the fill start whenever
+the engine next happens to block. On a host with few cores those wake-ups and the GIL hand-backs
+cost more than the overlap gains (measured on 2 shared cores: the fill took twice as long beside
+the engine's thread), so there the fill runs on the engine's thread, when its result is asked.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from bastion.ipc.messages import GrammarBitmask
 # Rows from which one fill is split over xgrammar's threads (fewer are not worth starting them:
 # xgrammar starts its threads anew for every call, tens of microseconds each).
 _PARALLEL_MIN_ROWS = 16
+# Cores this process may run on from which fills run on their own thread.
+_BACKGROUND_MIN_CPUS = 4
 
 
 def default_fill_threads() -> int:
@@ -41,22 +45,28 @@ def default_fill_threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
+def default_fill_in_background() -> bool:
+    return len(os.sched_getaffinity(0)) >= _BACKGROUND_MIN_CPUS
+
+
 class BitmaskFill:
-    """One step's bitmask, being filled; ``result()`` waits for it (once the caller needs
-    it: before the step's sampling)."""
+    """One step's bitmask, being filled; ``result()`` waits for it (or fills it, when it was
+    not filled in the background), once the caller needs it: before the step's sampling."""
 
     def __init__(self, step_id: int, request_ids: list[str], bitmask: np.ndarray,
-                 future: Future | None) -> None:
+                 run: Callable[[], tuple[float, float]] | None,
+                 future: Future | None = None) -> None:
         self.step_id = step_id
         self.request_ids = request_ids
         self._bitmask = bitmask
-        self._future = future
-        self.fill_s = 0.0  # the fill's own time on the fill thread, known after ``result()``
+        self._run, self._future = run, future
+        self.fill_s = 0.0  # the fill's own time, known after ``result()``
 
     def result(self) -> GrammarBitmask:
-        if self._future is not None:
-            start, end = self._future.result()
-            self.fill_s, self._future = end - start, None
+        if self._run is not None:
+            start, end = self._future.result() if self._future is not None else self._run()
+            self.fill_s = end - start
+            self._run = self._future = None
         # NOTE: a view, not a copy: in process the runner reads the engine's array; the codec
         # writes it into the message (and a worker decodes a view of the frame it received).
         return GrammarBitmask(self.step_id, self.request_ids,
@@ -64,18 +74,20 @@ class BitmaskFill:
                               self._bitmask.shape[1])
 
 
-class FillThread:
-    """A daemon thread that runs fills one at a time, in submission order."""
+class BitmaskFiller:
+    """Fills bitmasks through xgrammar's batch API (``num_threads`` threads for a large one),
+    on a daemon thread of its own when ``background``, one fill at a time in order."""
 
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, background: bool | None = None) -> None:
         self.num_threads = num_threads or default_fill_threads()
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future] | None] = (
-            queue.SimpleQueue())
-        self._taken = threading.Semaphore(0)
-        self._thread = threading.Thread(target=self._run, name="grammar-fill", daemon=True)
-        self._thread.start()
+        self.background = default_fill_in_background() if background is None else background
         self._serial: Any = None  # xgrammar BatchGrammarMatcher(1) / (num_threads), on first use
         self._parallel: Any = None
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = (
+            queue.SimpleQueue())
+        self._taken = threading.Semaphore(0)
+        if self.background:
+            threading.Thread(target=self._serve, name="grammar-fill", daemon=True).start()
 
     def fill(self, step_id: int, request_ids: list[str], grammars: list[Any],
              num_words: int) -> BitmaskFill:
@@ -96,7 +108,8 @@ class FillThread:
                 matchers, bitmask, active)
             return start, time.perf_counter()
 
-        return BitmaskFill(step_id, request_ids, bitmask, self.submit(run))
+        future = self._submit(run) if self.background else None
+        return BitmaskFill(step_id, request_ids, bitmask, run, future)
 
     def _batch_matcher(self, num_rows: int) -> Any:
         import xgrammar as xgr
@@ -109,14 +122,14 @@ class FillThread:
             self._serial = xgr.BatchGrammarMatcher(1)
         return self._serial
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def _submit(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the fill thread; returns once the thread has started it."""
         future: Future = Future()
         self._jobs.put((fn, future))
         self._taken.acquire()
         return future
 
-    def _run(self) -> None:
+    def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, future = job
             self._taken.release()
@@ -126,4 +139,5 @@ class FillThread:
                 future.set_exception(exc)
 
     def shutdown(self) -> None:
-        self._jobs.put(None)
+        if self.background:
+            self._jobs.put(None)

@@ -3,7 +3,7 @@ turned into each step's next-token bitmask.
 
 The matchers live here, in the process that schedules (as in vLLM V1): the scheduler advances
 a request's matcher by exactly the tokens it appends, and once the step before a launched step
-is folded in the engine fills that step's bitmask on the fill thread (``fill``) while the device
+is folded in the engine fills that step's bitmask (on the fill thread, ``fill``) while the device
 computes the forward; the workers only apply it.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from bastion.core.structured_output.fill import BitmaskFill, FillThread
+from bastion.core.structured_output.fill import BitmaskFill, BitmaskFiller
 from bastion.core.structured_output.spec import (
     JSON_SCHEMA_OPTIONS,
     GrammarKey,
@@ -60,8 +60,8 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
-    """Compiles (on its own threads), caches by ``GrammarKey`` and fills bitmasks (on the fill
-    thread; ``max_fill_threads``: xgrammar threads one large fill is split over).
+    """Compiles (on its own threads), caches by ``GrammarKey`` and fills bitmasks (``fill``;
+    ``max_fill_threads``: xgrammar threads one large fill is split over).
 
     ``load_tokenizer`` is called once, on a compile thread, when the first grammar arrives: a
     server that never sees one never pays for the vocabulary's table.
@@ -78,7 +78,10 @@ class StructuredOutputManager:
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._max_cached = max_cached
         self._max_fill_threads = max_fill_threads
-        self._fill: FillThread | None = None  # started with the first fill
+        # None: on a thread of its own when this process has the cores (``fill``); read when
+        # the first bitmask is filled.
+        self.fill_in_background: bool | None = None
+        self._filler: BitmaskFiller | None = None
         self.num_words = 0  # int32 words of one bitmask row, known once the compiler exists
 
     # --------------------------------------------------------------------------- compile
@@ -154,14 +157,14 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, step_id: int, request_ids: list[str],
                      grammars: list[RequestGrammar]) -> BitmaskFill:
-        """Start filling one step's bitmask on the fill thread: row ``i`` is what
-        ``grammars[i]`` allows next (a grammar not active yet allows everything). Its matchers
-        must not be advanced before the fill's ``result()``."""
-        if self._fill is None:
-            self._fill = FillThread(self._max_fill_threads)
-        return self._fill.fill(step_id, request_ids, grammars, self.num_words)
+        """Start filling one step's bitmask: row ``i`` is what ``grammars[i]`` allows next (a
+        grammar not active yet allows everything). Its matchers must not be advanced before the
+        fill's ``result()``."""
+        if self._filler is None:
+            self._filler = BitmaskFiller(self._max_fill_threads, self.fill_in_background)
+        return self._filler.fill(step_id, request_ids, grammars, self.num_words)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._fill is not None:
-            self._fill.shutdown()
+        if self._filler is not None:
+            self._filler.shutdown()
