@@ -10,9 +10,8 @@ xgrammar's fill runs in C++ with the GIL released, but the thread that calls it 
 get there; a waiting thread gets it only when the holder blocks, or after the interpreter's
 switch interval (5 ms, several steps). ``BitmaskFiller`` therefore blocks until the fill thread
 has taken the job (a hand-off of two thread wake-ups) instead of letting the fill start whenever
-the engine next happens to block. On a host with few cores those wake-ups and the GIL hand-backs
-cost more than the overlap gains (measured on 2 shared cores: the fill took twice as long beside
-the engine's thread), so there the fill runs on the engine's thread, when its result is asked.
+the engine next happens to block. A process on one core cannot run the two side by side; there
+the fill runs on the engine's thread, at once.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from bastion.ipc.messages import GrammarBitmask
 # xgrammar starts its threads anew for every call, tens of microseconds each).
 _PARALLEL_MIN_ROWS = 16
 # Cores this process may run on from which fills run on their own thread.
-_BACKGROUND_MIN_CPUS = 4
+_BACKGROUND_MIN_CPUS = 2
 
 
 def default_fill_threads() -> int:
@@ -50,23 +49,21 @@ def default_fill_in_background() -> bool:
 
 
 class BitmaskFill:
-    """One step's bitmask, being filled; ``result()`` waits for it (or fills it, when it was
-    not filled in the background), once the caller needs it: before the step's sampling."""
+    """One step's bitmask, being filled; ``result()`` waits for it, once the caller needs it:
+    before the step's sampling. ``future``: the fill's (start, end) times."""
 
     def __init__(self, step_id: int, request_ids: list[str], bitmask: np.ndarray,
-                 run: Callable[[], tuple[float, float]] | None,
-                 future: Future | None = None) -> None:
+                 future: Future | None) -> None:
         self.step_id = step_id
         self.request_ids = request_ids
         self._bitmask = bitmask
-        self._run, self._future = run, future
+        self._future = future
         self.fill_s = 0.0  # the fill's own time, known after ``result()``
 
     def result(self) -> GrammarBitmask:
-        if self._run is not None:
-            start, end = self._future.result() if self._future is not None else self._run()
-            self.fill_s = end - start
-            self._run = self._future = None
+        if self._future is not None:
+            start, end = self._future.result()
+            self.fill_s, self._future = end - start, None
         # NOTE: a view, not a copy: in process the runner reads the engine's array; the codec
         # writes it into the message (and a worker decodes a view of the frame it received).
         return GrammarBitmask(self.step_id, self.request_ids,
@@ -108,8 +105,14 @@ class BitmaskFiller:
                 matchers, bitmask, active)
             return start, time.perf_counter()
 
-        future = self._submit(run) if self.background else None
-        return BitmaskFill(step_id, request_ids, bitmask, run, future)
+        if self.background:
+            return BitmaskFill(step_id, request_ids, bitmask, self._submit(run))
+        # NOTE: at once, not when the result is asked: right after the fold the matchers' state
+        # is still in this core's caches (filled after a schedule instead, 128 rows took twice
+        # as long in the median).
+        done: Future = Future()
+        done.set_result(run())
+        return BitmaskFill(step_id, request_ids, bitmask, done)
 
     def _batch_matcher(self, num_rows: int) -> Any:
         import xgrammar as xgr
