@@ -293,6 +293,32 @@ def test_parallel_fill_equals_each_matchers_own(chat_ids):
     assert not np.array_equal(got[0], got[2])  # the states differ, so do the rows
 
 
+def test_a_grammar_is_terminated_exactly_when_its_matcher_is(chat_ids):
+    """``RequestGrammar.is_terminated`` (kept by ``accept``) against xgrammar's own answer,
+    token by token through a choice that ends, with EOS as its stop token."""
+    import xgrammar as xgr
+
+    from bastion.core.config import ModelConfig
+    from bastion.core.loader import load_tokenizer, resolve_model
+    from bastion.core.structured_output.manager import RequestGrammar
+
+    model = ModelConfig()
+    resolved = resolve_model(model)
+    tokenizer = load_tokenizer(model, resolved)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer,
+                                              vocab_size=resolved.hf_config.vocab_size)
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_grammar('root ::= "yes" | "no"')
+    eos = tokenizer.eos_token_id
+    grammar = RequestGrammar(compiled, eos)
+    states = []
+    for token_id in tokenizer.encode("yes", add_special_tokens=False) + [eos]:
+        assert grammar.accept(token_id)
+        states.append((grammar.is_terminated, grammar.matcher.is_terminated()))
+    assert states[-1] == (True, True)
+    assert all(ours == theirs for ours, theirs in states)
+    assert not grammar.accept(eos)  # nothing after the end
+
+
 def test_bitmask_rows_follow_the_logits_order_when_every_row_has_a_grammar():
     logits = torch.randn(3, 64)
     bitmask = torch.tensor([[1, 0], [2, 0], [0, 1 << 4]], dtype=torch.int32)

@@ -46,17 +46,21 @@ class RequestGrammar:
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
         self.start_after_token_id = start_after_token_id
         self.is_active = start_after_token_id is None
+        # NOTE: a matcher terminates exactly when it accepts a stop token (xgrammar's default,
+        # terminate_without_stop_token off), so the fold asks a set instead of the matcher:
+        # one call fewer per grammar row and step.
+        self._stop_token_ids = frozenset(self.matcher.stop_token_ids)
+        self.is_terminated = False
 
     def accept(self, token_id: int) -> bool:
         """Advance by one output token; False when the grammar does not allow it."""
         if not self.is_active:
             self.is_active = token_id == self.start_after_token_id
             return True
-        return self.matcher.accept_token(token_id)
-
-    @property
-    def is_terminated(self) -> bool:
-        return self.is_active and self.matcher.is_terminated()
+        if not self.matcher.accept_token(token_id):
+            return False
+        self.is_terminated = token_id in self._stop_token_ids
+        return True
 
 
 class StructuredOutputManager:
