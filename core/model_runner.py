@@ -529,12 +529,13 @@ class ModelRunner:
         on the device since ``execute_model_async``), then launch the step held behind it.
         Returns the handles that now have their tokens on the way, oldest first (none when
         no step waits for this bitmask)."""
-        pending, self._deferred = self._deferred, None
+        pending = self._deferred
         if pending is None or pending.handle.step_id != msg.step_id:
             if pending is not None:
                 raise RuntimeError(f"the grammar bitmask of step {msg.step_id} arrived while "
                                    f"step {pending.handle.step_id} waits for its own")
             return []
+        self._deferred = None
         spec = pending.spec
         row_of, row = {}, 0
         for state in pending.states:  # a row with d drafts has d + 1 logits rows

@@ -7,6 +7,8 @@ schedule per step while the device waits; on the CPU only the order shows it.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -128,6 +130,9 @@ def _engine(vocabulary, async_scheduling: bool = True,
 
 def _run(engine: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, list[int]]:
     for request in requests:
+        # Compiled before the first schedule, so every request runs from step 1 (a schedule
+        # while the compile runs is empty, and shifts the steps by a timing).
+        engine.structured_output.compile(request.sampling_params.structured_outputs).result()
         engine.add_request(request)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     while engine.has_unfinished_requests:
@@ -143,10 +148,25 @@ def _requests(max_tokens: int = 5) -> list[EngineCoreRequest]:
         for i in range(2)]
 
 
-@pytest.mark.parametrize("fill_in_background", [True, False])
+class _SlowBatchMatcher:
+    """xgrammar's batch matcher, 20 ms late: a fill that outlasts the engine's schedule."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def batch_fill_next_token_bitmask(self, *args) -> None:
+        time.sleep(0.02)
+        self.matcher.batch_fill_next_token_bitmask(*args)
+
+
+@pytest.mark.parametrize("fill", ["background", "slow_background", "inline"])
 def test_next_step_is_sent_before_the_bitmask_and_its_fill_starts_at_the_fold(
-        toy_vocabulary, fill_in_background):
-    engine, executor = _engine(toy_vocabulary, fill_in_background=fill_in_background)
+        toy_vocabulary, fill, monkeypatch):
+    if fill == "slow_background":  # the bitmask goes out only once it is filled
+        batch_matcher = BitmaskFiller._batch_matcher
+        monkeypatch.setattr(BitmaskFiller, "_batch_matcher",
+                            lambda self, n: _SlowBatchMatcher(batch_matcher(self, n)))
+    engine, executor = _engine(toy_vocabulary, fill_in_background=fill != "inline")
     try:
         tokens = _run(engine, _requests())
     finally:
@@ -207,43 +227,56 @@ def _mixed_batch(chat_ids: list[int]) -> tuple[list[dict], list[SamplingParams]]
     return prompts, [json_rows, penalised, json_rows, free]
 
 
-def test_runner_launches_a_step_held_behind_a_bitmask_right_after_that_sampling(chat_ids):
-    """Through the in-process runner: step N+1 arrives before step N's bitmask and runs no
-    forward until step N samples; every row's greedy tokens equal the synchronous engine's."""
+@pytest.fixture(scope="module")
+def mixed_reference(chat_ids) -> list[list[int]]:
+    """The mixed batch's greedy tokens from the synchronous engine."""
     prompts, params = _mixed_batch(chat_ids)
     with LLM(dtype="float32", max_model_len=256, async_scheduling=False) as sync:
         # Decode steps through the graph runner's staging (run eagerly on the CPU), as on a
         # GPU: the held step's inputs are prepared before the tokens they read exist.
         sync_runner = sync.engine.executor.runner
         sync_runner.graph_runner = sync_runner.build_graph_runner()
-        reference = [o.outputs[0].token_ids for o in sync.generate(prompts, params,
-                                                                   use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in sync.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def async_llm():
+    """An async-scheduling engine whose grammar steps hold the next step (as on a GPU)."""
     with LLM(dtype="float32", max_model_len=256) as llm:
         llm.engine.structured_output.fill_in_background = True  # as on a GPU host's cores
         runner = llm.engine.executor.runner
         runner.graph_runner = runner.build_graph_runner()
-        events: list[tuple[str, int]] = []
-        forward, sample, execute = runner.model.forward, runner._sample, runner.execute_model_async
-        step_of = {"id": 0}
+        yield llm
 
-        def recorded_execute(sched):
-            step_of["id"] = sched.step_id
-            events.append(("execute", sched.step_id))
-            return execute(sched)
 
-        def recorded_forward(*args, **kwargs):
-            events.append(("forward", step_of["id"]))
-            return forward(*args, **kwargs)
+def test_runner_launches_a_step_held_behind_a_bitmask_right_after_that_sampling(
+        async_llm, chat_ids, mixed_reference, monkeypatch):
+    """Through the in-process runner: step N+1 arrives before step N's bitmask and runs no
+    forward until step N samples; every row's greedy tokens equal the synchronous engine's."""
+    prompts, params = _mixed_batch(chat_ids)
+    runner = async_llm.engine.executor.runner
+    events: list[tuple[str, int]] = []
+    forward, sample, execute = runner.model.forward, runner._sample, runner.execute_model_async
+    step_of = {"id": 0}
 
-        def recorded_sample(logits, states):
-            events.append(("sample", len(states)))
-            return sample(logits, states)
+    def recorded_execute(sched):
+        step_of["id"] = sched.step_id
+        events.append(("execute", sched.step_id))
+        return execute(sched)
 
-        runner.execute_model_async = recorded_execute
-        runner.model.forward = recorded_forward
-        runner._sample = recorded_sample
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == reference
+    def recorded_forward(*args, **kwargs):
+        events.append(("forward", step_of["id"]))
+        return forward(*args, **kwargs)
+
+    def recorded_sample(logits, states):
+        events.append(("sample", len(states)))
+        return sample(logits, states)
+
+    monkeypatch.setattr(runner, "execute_model_async", recorded_execute)
+    monkeypatch.setattr(runner.model, "forward", recorded_forward)
+    monkeypatch.setattr(runner, "_sample", recorded_sample)
+    outs = async_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == mixed_reference
     # Steady decode (every row running, all under grammar but the free one): each step's
     # forward follows the previous step's sampling, and comes after the next execute arrived.
     kinds = [kind for kind, _ in events]
@@ -252,6 +285,41 @@ def test_runner_launches_a_step_held_behind_a_bitmask_right_after_that_sampling(
     assert len(held) >= 10, events[:40]
     for i in held:
         assert events[i + 2] == ("forward", events[i][1])
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_a_step_interrupted_behind_a_bitmask_leaves_the_llm_usable(
+        async_llm, chat_ids, mixed_reference, monkeypatch):
+    """A generate stopped between a grammar step's sampling and the launch of the step held
+    behind it (where a test's timeout once struck, in that step's forward) raises; the next
+    generate on the same LLM gets the reference tokens (it failed: 'step N was asked for its
+    tokens before it sampled')."""
+    prompts, params = _mixed_batch(chat_ids)
+    runner = async_llm.engine.executor.runner
+    sample_tokens, launch = runner.sample_tokens, runner._launch
+    interrupted: list[int] = []  # the held step whose launch is interrupted
+
+    def sample_then_interrupt(msg):
+        if msg.step_id >= 8 and runner._held is not None and not interrupted:
+            interrupted.append(runner._held.sched.step_id)
+        return sample_tokens(msg)
+
+    def launch_or_interrupt(step):
+        if interrupted and step.sched.step_id == interrupted[0]:
+            raise _Interrupt
+        return launch(step)
+
+    monkeypatch.setattr(runner, "sample_tokens", sample_then_interrupt)
+    monkeypatch.setattr(runner, "_launch", launch_or_interrupt)
+    with pytest.raises(_Interrupt):
+        async_llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert interrupted
+    outs = async_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == mixed_reference
 
 
 def test_parallel_fill_equals_each_matchers_own(chat_ids):
