@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from bastion.api.chat_output import ChoiceOutput, OutputSpec, check_constraint_with_reasoning
+from bastion.api.chat_output import ChoiceOutput, OutputSpec, constrain_after_reasoning
 from bastion.api.config import CLIENT_KEY, CONFIG_KEY, METRICS_KEY, MODEL_NAMES_KEY
 from bastion.api.engine_protocol import EngineClient
 from bastion.api.errors import bad_request
@@ -129,10 +129,11 @@ def parse_chat_request(request: web.Request, raw: bytes) -> GenerateRequest:
     prompt_logprobs = parse_prompt_logprobs(body, config, stream)
     base = base_sampling_params(body, config, (top_logprobs or 0) if logprobs else None,
                                 max_tokens, len(client.tokenizer), prompt_logprobs)
-    check_constraint_with_reasoning(base, config)  # before the tools add theirs
+    constrained_by = "response_format" if base.structured_outputs is not None else "tool_choice"
     base = with_tool_constraint(base, tools)
     prompt = render_prompt(client, messages, get(body, "add_generation_prompt", True),
                            get(body, "add_special_tokens", False), tools, template_kwargs)
+    base = constrain_after_reasoning(base, config, prompt.text, client.tokenizer, constrained_by)
     params = fit_to_context(base, len(prompt.token_ids), client.max_model_len, max_tokens,
                             "messages")
     chat_output = None

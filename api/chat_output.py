@@ -10,27 +10,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from bastion.api.config import ApiConfig
 from bastion.api.errors import bad_request
 from bastion.api.reasoning import REASONING_PARSERS, ReasoningParser
+from bastion.api.reasoning.base import END_TAG, prompt_closes_reasoning
 from bastion.api.tool_parsers import Piece, ToolParser
 from bastion.api.tools import ToolRequest
 from bastion.ipc.messages import SamplingParams
 
 
-def check_constraint_with_reasoning(params: SamplingParams, config: ApiConfig) -> None:
-    """400 for a constrained output (response_format, structured_outputs, guided_*) under a
-    reasoning parser.
+def constrain_after_reasoning(params: SamplingParams, config: ApiConfig, prompt_text: str,
+                              tokenizer: Any, param: str = "response_format") -> SamplingParams:
+    """Under a reasoning parser, ``params`` whose constraint (response_format,
+    structured_outputs, a forced tool choice) applies only after the reasoning, as vLLM's: from
+    the first ``</think>`` the model outputs on, or from the first token when the prompt already
+    closed the reasoning (a template's empty block, ``enable_thinking: false``). A model whose
+    vocabulary has no single ``</think>`` token gets a 400 naming ``param``.
 
-    NOTE: the grammar would apply from the first token and so forbid the ``<think>`` block; a
-    constraint that starts after the reasoning ends needs the engine to know where that is,
-    which it does not yet (issue #21)."""
-    if params.structured_outputs is not None and config.reasoning_parser is not None:
+    NOTE: a model that never writes ``</think>`` is never constrained (vLLM alike)."""
+    spec = params.structured_outputs
+    if spec is None or config.reasoning_parser is None or prompt_closes_reasoning(prompt_text):
+        return params
+    end_ids = tokenizer.encode(END_TAG, add_special_tokens=False)
+    if len(end_ids) != 1:
         raise bad_request(
-            "response_format and structured_outputs cannot be combined with --reasoning-parser "
-            f"{config.reasoning_parser} yet (the constraint would forbid the reasoning)",
-            "response_format",
+            f"under --reasoning-parser {config.reasoning_parser} a constraint starts after the "
+            f"model's {END_TAG}, which is not one token in this model's vocabulary",
+            param,
         )
+    return msgspec.structs.replace(
+        params, structured_outputs=msgspec.structs.replace(spec, start_after_token_id=end_ids[0])
+    )
 
 
 @dataclass(frozen=True)

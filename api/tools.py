@@ -105,21 +105,12 @@ def parse_tools(body: dict, config: ApiConfig) -> ToolRequest | None:
             "tool_choice",
         )
     request = ToolRequest(tools, choice, name, is_parallel)
-    if request.is_forced:
-        if not structured_outputs_available():
-            raise bad_request(
-                f"tool_choice {_choice_text(request)} needs structured outputs, "
-                "which this server does not implement yet; use auto",
-                "tool_choice",
-            )
-        if config.reasoning_parser is not None:
-            # NOTE: the grammar would constrain the reasoning too; the engine cannot yet start
-            # it after the reasoning ends.
-            raise bad_request(
-                f"tool_choice {_choice_text(request)} cannot be combined with "
-                f"--reasoning-parser {config.reasoning_parser} yet; use auto",
-                "tool_choice",
-            )
+    if request.is_forced and not structured_outputs_available():
+        raise bad_request(
+            f"tool_choice {_choice_text(request)} needs structured outputs, "
+            "which this server does not implement yet; use auto",
+            "tool_choice",
+        )
     return request
 
 

@@ -10,6 +10,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from bastion.core.config import ConfigError, EngineConfig
 from bastion.core.executor import Executor, StepResult
@@ -18,6 +19,7 @@ from bastion.core.lora.peft import load_peft_adapter
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
 from bastion.core.spec_decode.metrics import SpecDecodingLogger
+from bastion.core.structured_output.fill import BitmaskFill
 from bastion.core.structured_output.manager import StructuredOutputManager
 from bastion.ipc.messages import (
     EngineCoreOutput,
@@ -94,7 +96,7 @@ class EngineCore:
         # (its DP group's all-reduce); tests may set their own.
         self.dp_sync: Callable[[int, bool], tuple[int, bool]] | None = None
         # Steps launched and not yet folded into the scheduler, oldest first (at most two).
-        self.inflight: deque[tuple[SchedulerOutput, StepResult]] = deque()
+        self.inflight: deque[_InFlight] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_request(request))
@@ -189,11 +191,12 @@ class EngineCore:
         self._send_bitmask(sched)
         return self.scheduler.update_from_output(sched, result.output())
 
-    def _send_bitmask(self, sched: SchedulerOutput) -> None:
-        """A launched step with grammar rows samples once it has their bitmask, filled here
-        while the device runs its forward."""
+    def _send_bitmask(self, sched: SchedulerOutput, fill: BitmaskFill | None = None) -> None:
+        """A launched step with grammar rows samples once it has their bitmask (``fill``: its
+        fill, already started)."""
         if sched.structured_output_request_ids:
-            self.executor.sample_tokens(self.scheduler.grammar_bitmask(sched))
+            fill = fill or self.scheduler.grammar_bitmask(sched)
+            self.executor.sample_tokens(fill.result())
 
     def _dp_agree(self, num_tokens: int, is_decode_only: bool) -> tuple[int, bool]:
         if self.dp_sync is None:
@@ -202,24 +205,37 @@ class EngineCore:
         return self.dp_sync(num_tokens, is_decode_only)
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        launched = None
+        """Launch the next step, then fold the oldest one in flight.
+
+        A step with grammar rows samples only once it has its bitmask, which needs the step
+        before it folded in. So its bitmask is filled (on the fill thread) from that fold on,
+        while this engine schedules and sends the step behind it, and is sent only then: the
+        worker has that next step prepared when the bitmask arrives and queues its forward
+        right behind the sampling.
+        """
+        launched = False
         if self.scheduler.has_unfinished_requests and len(self.inflight) < 2:
             sched = self.scheduler.schedule()
             if sched.num_scheduled_tokens or sched.finished_request_ids:
-                self.inflight.append((sched, self.executor.execute_model_async(sched)))
-                launched = sched
+                self.inflight.append(_InFlight(sched, self.executor.execute_model_async(sched)))
+                launched = True
         if not self.inflight:  # nothing could run: deadlines still pass
             return self.scheduler.take_rejected() + self.scheduler.expire_deadlines()
-        if launched is not None and len(self.inflight) < 2:
-            self._send_bitmask(launched)
+        if launched and len(self.inflight) == 1:
+            self._start_fill()
             return self.scheduler.take_rejected()  # keep one step queued behind the device
-        sched, result = self.inflight.popleft()
-        outputs = self.scheduler.update_from_output(sched, result.output())
-        if launched is not None:
-            # NOTE: only now, with the step before it folded in, do the launched step's
-            # matchers hold every token but the one it samples.
-            self._send_bitmask(launched)
+        step = self.inflight.popleft()
+        self._send_bitmask(step.sched, step.fill)
+        outputs = self.scheduler.update_from_output(step.sched, step.result.output())
+        self._start_fill()
         return outputs
+
+    def _start_fill(self) -> None:
+        # NOTE: only the oldest step in flight: with every step before it folded in, its
+        # matchers hold every token but the one it samples.
+        step = self.inflight[0] if self.inflight else None
+        if step is not None and step.fill is None and step.sched.structured_output_request_ids:
+            step.fill = self.scheduler.grammar_bitmask(step.sched)
 
     def drop_all_requests(self) -> None:
         """Forget every request and all KV state, with no outputs (fault recovery: the front
@@ -247,6 +263,16 @@ def _vocabulary(config: EngineConfig, tokenizer: object | None
         return resolve_model(config.model).hf_config.vocab_size
 
     return load, vocab_size
+
+
+@dataclass
+class _InFlight:
+    """A launched step (async scheduling) and, for one with grammar rows, its bitmask's fill
+    once started."""
+
+    sched: SchedulerOutput
+    result: StepResult
+    fill: BitmaskFill | None = None
 
 
 def _is_decode_only(sched: SchedulerOutput) -> bool:

@@ -31,8 +31,10 @@ class Executor(Protocol):
     def execute_model_async(self, sched: SchedulerOutput) -> StepResult: ...
 
     def sample_tokens(self, bitmask: GrammarBitmask) -> None:
-        """The grammar bitmask of the last launched step, which samples only once it has it
-        (a step whose ``structured_output_request_ids`` is not empty)."""
+        """The grammar bitmask of the oldest launched step not sampled yet, which samples only
+        once it has it (a step whose ``structured_output_request_ids`` is not empty). At most
+        one step may be launched behind it before this call; it runs right after the sampling.
+        """
 
     def reset(self) -> None: ...
 

@@ -29,7 +29,7 @@ from bastion.core.spec_decode.draft_model import DraftModelProposer
 from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
-from bastion.core.structured_output.bitmask import apply_grammar_bitmask
+from bastion.core.structured_output.bitmask import GrammarBitmaskApplier
 from bastion.ipc.messages import (
     GrammarBitmask,
     Logprobs,
@@ -137,7 +137,8 @@ class StepHandle:
         self._output: ModelRunnerOutput | None = None
         self._host = None
         self._lock = threading.Lock()
-        # A step under a grammar waits for its bitmask before it samples (``attach``).
+        # Not sampled yet: a step under a grammar waits for its bitmask before it samples
+        # (``attach``), and a step held behind one for that sampling.
         self.is_deferred = False
         if out is None:
             self.states, self.sampled = states or [], None
@@ -148,7 +149,7 @@ class StepHandle:
     @classmethod
     def deferred(cls, step_id: int,
                  prompt_logprobs: list[PromptLogprobs] | None = None) -> StepHandle:
-        """A step whose forward is launched and whose sampling waits for its bitmask."""
+        """A step not sampled yet (``attach`` or ``set_output`` completes it)."""
         handle = cls(step_id, prompt_logprobs=prompt_logprobs)
         handle._output, handle.is_deferred = None, True
         return handle
@@ -183,8 +184,8 @@ class StepHandle:
     def output(self) -> ModelRunnerOutput:
         with self._lock:
             if self.is_deferred:
-                raise RuntimeError(f"step {self.step_id} was asked for its tokens before its "
-                                   "grammar bitmask arrived")
+                raise RuntimeError(f"step {self.step_id} was asked for its tokens before it "
+                                   "sampled (a grammar bitmask had not arrived)")
             if self._output is None:
                 if self._event is not None:
                     self._event.synchronize()
@@ -242,8 +243,11 @@ class ModelRunner:
                          if spec is not None and spec.method == "ngram" else None)
         self.drafter: DraftModelProposer | None = None  # built in load_model
         self.lora_manager: LoRAManager | None = None  # built in load_model with --enable-lora
-        # A launched step waiting for its grammar bitmask to sample (at most one).
+        # A launched step waiting for its grammar bitmask to sample (at most one), and the
+        # step that arrived behind it, prepared and launched once it samples.
         self._deferred: _DeferredSample | None = None
+        self._held: _PreparedStep | None = None
+        self._bitmask = GrammarBitmaskApplier()
 
     # ------------------------------------------------------------------------- set-up
 
@@ -412,6 +416,7 @@ class ModelRunner:
         self.requests.clear()
         self.inflight.clear()
         self._deferred = None
+        self._held = None
 
     def _fold_tokens(self, keep: int) -> None:
         """Append the sampled tokens of all in-flight steps but the newest ``keep`` to their
@@ -465,24 +470,43 @@ class ModelRunner:
         A request whose previous token is still in flight (the step before this one) reads it
         from that step's sampled tensor on the device, so this step queues behind it on the
         stream without the host ever waiting for it.
+
+        A step that arrives while the one before it waits for its grammar bitmask is folded
+        into the request state and prepared now, and launched as soon as that bitmask arrives,
+        right behind the sampling whose tokens it reads (``sample_tokens``).
         """
-        if self._deferred is not None:
-            raise RuntimeError(f"step {sched.step_id} arrived before the grammar bitmask of "
-                               f"step {self._deferred.handle.step_id}")
         if self.proposer is not None or self.drafter is not None:
+            if self._deferred is not None:
+                raise RuntimeError(f"step {sched.step_id} arrived before the grammar bitmask "
+                                   f"of step {self._deferred.handle.step_id}")
             return self._execute_spec(sched)
+        if self._held is not None:
+            raise RuntimeError(f"step {sched.step_id} arrived while step "
+                               f"{self._held.handle.step_id} still waits behind step "
+                               f"{self._deferred.handle.step_id}'s grammar bitmask")
         self._fold_tokens(keep=1)
         self._apply_delta(sched)
         num_rows = self._padded_rows(sched)
+        decode = (self._prepare_decode(sched) if sched.num_scheduled_tokens
+                  and self._can_replay(sched, num_rows) else None)
+        step = _PreparedStep(sched, StepHandle.deferred(sched.step_id), num_rows, decode)
+        if self._deferred is not None:
+            self._held = step
+            return step.handle
+        return self._launch(step)
+
+    def _launch(self, step: _PreparedStep) -> StepHandle:
+        """The device work of a prepared step: its forward, then its sampling (or, with
+        grammar rows, the logits kept until the bitmask arrives)."""
+        sched, handle, num_rows = step.sched, step.handle, step.num_rows
         if not sched.num_scheduled_tokens:
             if sched.is_dummy:
                 self._dummy_run(num_rows, self._can_replay(sched, num_rows))
-            return StepHandle(sched.step_id)
+            handle.set_output(ModelRunnerOutput(step_id=sched.step_id))
+            return handle
         prev = self.inflight[-1].sampled if self.inflight else None
-        decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
-        prompt_logprobs: list[PromptLogprobs] = []  # decode steps have no prompt positions
-        if decode is not None:
-            states, inputs = decode
+        if step.decode is not None:
+            states, inputs = step.decode
             self._set_lora_rows(states, [1] * len(states),
                                 self.graph_runner.bucket(max(len(states), num_rows)))
             runner = self._decode_graph_runner()
@@ -494,57 +518,69 @@ class ModelRunner:
                                 batch.input_ids.shape[0])
             with set_forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
-            prompt_logprobs = self._prompt_logprobs(sched, hidden, batch.meta)
+            handle.prompt_logprobs = self._prompt_logprobs(sched, hidden, batch.meta)
             if not batch.sample_ids:
-                return StepHandle(sched.step_id, prompt_logprobs=prompt_logprobs)
+                handle.set_output(ModelRunnerOutput(step_id=sched.step_id,
+                                                    prompt_logprobs=handle.prompt_logprobs))
+                return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
+        # The rows' next tokens are this step's from now on: a step prepared before they are
+        # sampled (behind a grammar bitmask) reads them on the device.
+        for row, state in enumerate(states):
+            state.num_pending += 1
+            state.pending_row = row
+        self.inflight.append(handle)
         if sched.structured_output_request_ids:
-            return self._defer(sched, logits, states, prompt_logprobs)
-        return self._sample_step(StepHandle.deferred(sched.step_id, prompt_logprobs), logits,
-                                 states)
+            self._deferred = _DeferredSample(handle, logits, states, {})
+            return handle
+        return self._sample_step(handle, logits, states)
 
     def _defer(self, sched: SchedulerOutput, logits: torch.Tensor,
                states: list[CachedRequestState],
                prompt_logprobs: list[PromptLogprobs]) -> StepHandle:
+        """A speculative step's logits, kept until its grammar bitmask arrives."""
         handle = StepHandle.deferred(sched.step_id, prompt_logprobs)
         self._deferred = _DeferredSample(handle, logits, states,
                                          sched.scheduled_spec_decode_tokens)
         return handle
 
     @torch.inference_mode()
-    def sample_tokens(self, msg: GrammarBitmask) -> StepHandle | None:
+    def sample_tokens(self, msg: GrammarBitmask) -> list[StepHandle]:
         """Sample the deferred step under its grammar bitmask (the forward has been queued
-        on the device since ``execute_model_async``); None when no step waits for it."""
-        pending, self._deferred = self._deferred, None
+        on the device since ``execute_model_async``), then launch the step held behind it.
+        Returns the handles that now have their tokens on the way, oldest first (none when
+        no step waits for this bitmask)."""
+        pending = self._deferred
         if pending is None or pending.handle.step_id != msg.step_id:
             if pending is not None:
                 raise RuntimeError(f"the grammar bitmask of step {msg.step_id} arrived while "
                                    f"step {pending.handle.step_id} waits for its own")
-            return None
+            return []
+        self._deferred = None
         spec = pending.spec
         row_of, row = {}, 0
         for state in pending.states:  # a row with d drafts has d + 1 logits rows
             row_of[state.request_id] = row
             row += len(spec.get(state.request_id, ())) + 1
-        apply_grammar_bitmask(pending.logits, msg, row_of)
+        self._bitmask.apply(pending.logits, msg, row_of)
         if self.proposer is not None or self.drafter is not None:
             pending.handle.set_output(self._verify_step(pending.handle.step_id, pending.logits,
                                                         pending.states, spec,
                                                         pending.handle.prompt_logprobs))
-            return pending.handle
-        return self._sample_step(pending.handle, pending.logits, pending.states)
+            return [pending.handle]
+        handles = [self._sample_step(pending.handle, pending.logits, pending.states)]
+        held, self._held = self._held, None
+        if held is not None:
+            handles.append(self._launch(held))
+        return handles
 
     def _sample_step(self, handle: StepHandle, logits: torch.Tensor,
                      states: list[CachedRequestState]) -> StepHandle:
-        if any(s.needs_output_ids and s.num_pending for s in states):
-            self._fold_tokens(keep=0)  # penalties and min_tokens read every token so far
-        out = _sync_sampled_tokens(self._sample(logits, states))
-        handle.attach(states, out)
-        for row, state in enumerate(states):
-            state.num_pending += 1
-            state.pending_row = row
-        self.inflight.append(handle)
+        """Sample a launched step (the newest in flight; its rows count its token pending)."""
+        if any(s.needs_output_ids and s.num_pending > 1 for s in states):
+            self._fold_tokens(keep=1)  # penalties and min_tokens read every token so far
+        handle.attach(states, _sync_sampled_tokens(self._sample(logits, states)))
         return handle
 
     def _execute_spec(self, sched: SchedulerOutput) -> StepHandle:
@@ -1006,6 +1042,18 @@ class _DeferredSample:
     logits: torch.Tensor
     states: list[CachedRequestState]
     spec: dict[str, list[int]]
+
+
+@dataclass
+class _PreparedStep:
+    """A step folded into the request state and prepared on the host (``decode``: its graph
+    inputs, when it replays one), its device work not launched yet (``_launch``): the runner
+    holds one while the step before it waits for its grammar bitmask."""
+
+    sched: SchedulerOutput
+    handle: StepHandle
+    num_rows: int
+    decode: tuple[list[CachedRequestState], DecodeInputs] | None
 
 
 @dataclass

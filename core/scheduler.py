@@ -9,12 +9,12 @@ from collections.abc import Iterable
 from bastion.core.config import CacheConfig, SchedulerConfig
 from bastion.core.kv_cache_manager import KVCacheManager
 from bastion.core.request import Request, RequestStatus
+from bastion.core.structured_output.fill import BitmaskFill
 from bastion.core.structured_output.manager import StructuredOutputManager
 from bastion.ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,
     FinishReason,
-    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -304,12 +304,13 @@ class Scheduler:
         self.removing_loras.difference_update(done)
         return done
 
-    def grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
-        """The bitmask of a launched step's grammar rows, from their matchers as they are now.
+    def grammar_bitmask(self, sched: SchedulerOutput) -> BitmaskFill:
+        """Start filling the bitmask of a launched step's grammar rows, from their matchers as
+        they are now (no matcher may advance before its ``result()``).
 
-        NOTE: called once every step before ``sched`` is folded in (async scheduling: the one
-        step before it included), so each matcher has consumed every token of its request but
-        the one this step samples. A request that finished meanwhile gets no row.
+        NOTE: called once for every such step, once every step before it is folded in and
+        before it is itself, so each matcher has consumed every token of its request but the
+        one this step samples. A request that finished meanwhile gets no row.
         """
         request_ids, grammars = [], []
         for request_id in sched.structured_output_request_ids:

@@ -148,6 +148,16 @@ class LLM:
         bar = tqdm(total=len(order), desc="Processed prompts", unit="prompt",
                    disable=not use_tqdm, dynamic_ncols=True)
         num_open = {parent: len(results[parent].outputs) for parent in order}
+        try:
+            self._run(processor, results, num_open, bar)
+        except BaseException:
+            self._drop_all_requests()
+            raise
+        return [results[parent] for parent in order]
+
+    def _run(self, processor: OutputProcessor, results: dict[str, RequestOutput],
+             num_open: dict[str, int], bar: tqdm) -> None:
+        """Step the engine until every request has finished."""
         with bar:
             while self.engine.has_unfinished_requests or processor.seqs:
                 step = self.engine.step()
@@ -169,7 +179,20 @@ class LLM:
                     self.engine.abort_requests(to_abort)
                 if not step.outputs and not self.engine.has_unfinished_requests:
                     break
-        return [results[parent] for parent in order]
+
+    def _drop_all_requests(self) -> None:
+        """After a step raised (or was interrupted: Ctrl-C, a test's timeout): forget every
+        request and every step in flight, in the engine and its runners, as a server's fault
+        recovery does.
+
+        NOTE: a step can stop anywhere, e.g. between a grammar step's sampling and the launch
+        of the step held behind it; kept, those half-done steps would fail the next
+        ``generate`` ('step N was asked for its tokens before it sampled')."""
+        self.engine.drop_all_requests()
+        try:
+            self.engine.executor.reset()
+        except Exception:  # the step's own error is the one to raise
+            logger.exception("resetting the runners after a failed step failed")
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -17,7 +17,15 @@ Qwen3's would:
 Each configuration runs a warm-up batch (grammars compiled, kernels built), then a timed batch
 of ``batch`` requests driven step by step through ``EngineCore``; a step counts when every
 request of the batch is running (no prefill, no tail). Prints the median step time, the median
-host time of the bitmask fill, and the overhead against unconstrained.
+time of one bitmask fill (xgrammar's own time, on the engine's fill thread or not), and the
+overhead against unconstrained.
+
+Without a GPU, ``--simulate-device-ms F`` runs the real engine (scheduler, matchers, fills)
+over a simulated device: one in-order stream on which a forward takes F ms and a sampling
+0.05 ms, with no model and no worker-side host work; each grammar row samples the highest
+token its bitmask allows. It shows whether a step waits for its bitmask fill or overlaps it:
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_structured.py --simulate-device-ms 1.0
 """
 
 from __future__ import annotations
@@ -27,11 +35,24 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from bastion.core.config import build_engine_config
+from bastion.core.engine_core import EngineCore
+from bastion.core.structured_output.fill import BitmaskFill
+from bastion.ipc.messages import (
+    EngineCoreRequest,
+    GrammarBitmask,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    StructuredOutputsParams,
+)
 from bastion.procs.llm import LLM
-from bastion.ipc.messages import EngineCoreRequest, SamplingParams, StructuredOutputsParams
+
+QWEN3_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "qwen3-0.6b")
 
 # Unbounded, so a request keeps decoding under it up to max_tokens (the mask is filled every
 # step; a request whose grammar completes stops early and its steps are not counted).
@@ -59,33 +80,134 @@ def stand_in_vocabulary(vocab_size: int, tokenizer: str | None = None):
                              stop_token_ids=[vocab_size - 1])
 
 
+def schema_text_tokens(tokenizer: str | None = None) -> list[int]:
+    """A long JSON text under ``SCHEMA``, as token ids of ``tokenizer`` (the first ids of the
+    stand-in vocabulary are its tokens)."""
+    from bastion.core.config import ModelConfig
+    from bastion.core.loader import load_tokenizer, resolve_model
+
+    model = ModelConfig(model=tokenizer)
+    items = [{"id": 1000 + i, "name": f"item {i}: a thing with a longer name",
+              "tags": ["a", "b", "c"][:i % 4]} for i in range(100)]
+    return load_tokenizer(model, resolve_model(model)).encode(json.dumps(items),
+                                                              add_special_tokens=False)
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def timed_batch(llm: LLM, batch: int, prompt: list[int], max_tokens: int,
-                spec: StructuredOutputsParams | None, tag: str) -> tuple[list[float], list[float]]:
-    engine = llm.engine
+class _SimulatedStep:
+    def __init__(self, executor: SimulatedExecutor, sched: SchedulerOutput) -> None:
+        self.executor = executor
+        self.sched = sched
+        self.done_at = 0.0  # perf_counter time its tokens are on the host
+
+    def output(self) -> ModelRunnerOutput:
+        wait = self.done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        ids = list(self.sched.num_scheduled_tokens)
+        return ModelRunnerOutput(ids, [self.executor.next_token(rid) for rid in ids],
+                                 step_id=self.sched.step_id)
+
+
+class SimulatedExecutor:
+    """An ``Executor`` over a simulated device: one in-order stream (a forward takes
+    ``forward_s``, a sampling ``sample_s``), the worker's rules for grammar steps (a step that
+    arrives while one waits for its bitmask is held and launched right after that sampling),
+    and no host work of its own. Every request samples ``token_ids`` in turn (a JSON text
+    valid under ``SCHEMA``, so the matchers walk through its strings, numbers and arrays)."""
+
+    def __init__(self, forward_s: float, token_ids: list[int], sample_s: float = 50e-6) -> None:
+        self.forward_s, self.sample_s = forward_s, sample_s
+        self.token_ids = token_ids
+        self.position: dict[str, int] = {}
+        self.free_at = 0.0  # when the stream has run everything queued so far
+        self._waiting: _SimulatedStep | None = None  # launched, waiting for its bitmask
+        self._held: _SimulatedStep | None = None
+
+    def next_token(self, request_id: str) -> int:
+        i = self.position[request_id] = self.position.get(request_id, -1) + 1
+        return self.token_ids[i % len(self.token_ids)]
+
+    def _queue(self, duration_s: float) -> float:
+        self.free_at = max(time.perf_counter(), self.free_at) + duration_s
+        return self.free_at
+
+    def _launch(self, step: _SimulatedStep) -> None:
+        if not step.sched.num_scheduled_tokens:
+            step.done_at = time.perf_counter()
+            return
+        self._queue(self.forward_s)
+        if step.sched.structured_output_request_ids:
+            self._waiting = step
+        else:
+            step.done_at = self._queue(self.sample_s)
+
+    def execute_model_async(self, sched: SchedulerOutput) -> _SimulatedStep:
+        step = _SimulatedStep(self, sched)
+        if self._waiting is not None:
+            self._held = step
+        else:
+            self._launch(step)
+        return step
+
+    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
+        step, self._waiting = self._waiting, None
+        step.done_at = self._queue(self.sample_s)
+        held, self._held = self._held, None
+        if held is not None:
+            self._launch(held)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return 1
+
+    def available_kv_cache_bytes(self) -> int:
+        return 1 << 20
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
+                prompt: list[int], max_tokens: int, spec: StructuredOutputsParams | None,
+                tag: str) -> tuple[list[float], list[float]]:
     fills: list[float] = []
     fill = engine.scheduler.grammar_bitmask
 
-    def timed_fill(sched):
-        start = time.perf_counter()
-        result = fill(sched)
-        fills.append(time.perf_counter() - start)
-        return result
+    def timed_fill(sched: SchedulerOutput) -> BitmaskFill:
+        started = fill(sched)
+        result = started.result
+
+        def timed_result() -> GrammarBitmask:
+            # NOTE: only the time is kept: a kept fill would keep its rows, and each new
+            # fill would then write fresh pages (a third of a fill's time at 128 rows).
+            del started.result
+            msg = result()
+            fills.append(started.fill_s)
+            return msg
+
+        started.result = timed_result
+        return started
 
     engine.scheduler.grammar_bitmask = timed_fill
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             structured_outputs=spec)
     for i in range(batch):
         engine.add_request(EngineCoreRequest(f"{tag}-{i}", prompt, params,
-                                             eos_token_id=llm.eos_token_id))
+                                             eos_token_id=eos_token_id))
     steps = []
     # NOTE: no device sync per step: with async scheduling a step() returns while the next
     # one runs on the device, and that overlap is what is measured (the interval per step).
-    synchronize(llm.config.model.device)
+    synchronize(device)
     last = time.perf_counter()
     while engine.has_unfinished_requests:
         out = engine.step()
@@ -93,7 +215,7 @@ def timed_batch(llm: LLM, batch: int, prompt: list[int], max_tokens: int,
         if out.stats.num_running_reqs == batch and out.stats.num_waiting_reqs == 0:
             steps.append(now - last)
         last = now
-    synchronize(llm.config.model.device)
+    synchronize(device)
     del engine.scheduler.grammar_bitmask
     # The first steps of the batch are its prefill; the steady state is what is compared.
     return steps[2:], fills
@@ -111,15 +233,40 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None,
                    help="a folder with a tokenizer for the stand-in vocabulary of a dummy model "
                         "(default: the embedded model's)")
+    p.add_argument("--fill-in-background", choices=("auto", "yes", "no"), default="auto",
+                   help="the engine fills bitmasks on a thread of its own (auto: with more "
+                        "than one core)")
+    p.add_argument("--simulate-device-ms", type=float, default=None,
+                   help="no model: a simulated device whose forward takes this long (the "
+                        "Qwen3-0.6B config's vocabulary, stand-in tokens)")
     args = p.parse_args()
-    dummy = args.load_format == "dummy"
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-              max_model_len=512, max_num_seqs=max(args.batch_sizes),
-              skip_tokenizer_init=dummy)
-    if dummy:
-        vocab_size = llm.engine.executor.runner.vocab_size
-        llm.engine.structured_output.use_tokenizer(stand_in_vocabulary(vocab_size, args.tokenizer))
-        llm.eos_token_id = vocab_size - 1
+    max_num_seqs = max(args.batch_sizes)
+    if args.simulate_device_ms is not None:
+        config = build_engine_config(model=QWEN3_CONFIG, load_format="dummy", max_model_len=512,
+                                     max_num_seqs=max_num_seqs)
+        vocab_size = 151936
+        executor = SimulatedExecutor(args.simulate_device_ms / 1e3,
+                                     schema_text_tokens(args.tokenizer))
+        engine = EngineCore(config, executor, 512,
+                            tokenizer=stand_in_vocabulary(vocab_size, args.tokenizer))
+        eos_token_id, device = vocab_size - 1, "simulated"
+        title = f"simulated device, forward {args.simulate_device_ms} ms"
+        shutdown = engine.shutdown
+    else:
+        dummy = args.load_format == "dummy"
+        llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+                  device=args.device, max_model_len=512, max_num_seqs=max_num_seqs,
+                  skip_tokenizer_init=dummy)
+        engine, eos_token_id, device = llm.engine, llm.eos_token_id, args.device
+        if dummy:
+            vocab_size = engine.executor.runner.vocab_size
+            engine.structured_output.use_tokenizer(stand_in_vocabulary(vocab_size,
+                                                                       args.tokenizer))
+            eos_token_id = vocab_size - 1
+        title = f"{args.model or 'embedded SmolLM2-135M'} on {args.device}, {args.dtype}"
+        shutdown = llm.shutdown
+    if args.fill_in_background != "auto":
+        engine.structured_output.fill_in_background = args.fill_in_background == "yes"
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
     rows = []
@@ -127,20 +274,21 @@ def main() -> None:
         medians = {}
         fill_ms = 0.0
         for name, s in (("none", None), ("json", spec)):
-            timed_batch(llm, batch, prompt, 8, s, f"warm-{name}-{batch}")
-            steps, fills = timed_batch(llm, batch, prompt, args.max_tokens, s, f"{name}-{batch}")
+            timed_batch(engine, eos_token_id, device, batch, prompt, 8, s,
+                        f"warm-{name}-{batch}")
+            steps, fills = timed_batch(engine, eos_token_id, device, batch, prompt,
+                                       args.max_tokens, s, f"{name}-{batch}")
             medians[name] = statistics.median(steps) * 1e3
             if fills:
                 fill_ms = statistics.median(fills) * 1e3
         rows.append((batch, medians["none"], medians["json"], fill_ms,
                      100 * (medians["json"] / medians["none"] - 1)))
-    print(f"\n{args.model or 'embedded SmolLM2-135M'} on {args.device}, {args.dtype}, "
-          f"{args.max_tokens} tokens per request, prompt {args.prompt_len}")
+    print(f"\n{title}, {args.max_tokens} tokens per request, prompt {args.prompt_len}")
     print(f"{'batch':>5} | {'step ms (none)':>14} | {'step ms (json)':>14} | "
           f"{'fill ms':>7} | {'overhead':>8}")
     for batch, none, js, fill_ms, pct in rows:
         print(f"{batch:>5} | {none:>14.2f} | {js:>14.2f} | {fill_ms:>7.2f} | {pct:>+7.1f}%")
-    llm.shutdown()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -26,12 +26,15 @@
 # --update --install"), moe (Qwen3-30B-A3B architecture: offline throughput and batch-1/8
 # latency beside their floors; $MOE_ARGS e.g. --latency, $MOE_PROFILE batch sizes to
 # profile), gemvtune (the decode-rows matmul: cuBLAS against ops/triton/gemv.py's tiles for
-# the benchmarked models' linear shapes, beside the floor), specbench (a speculative verify step with k = 2, 4 against a decode step,
-# Llama-3.1-8B architecture, batch 1/8/32), speccheck (ngram and draft-model greedy tokens
-# identical to plain decoding under the decode and verify CUDA graphs, Qwen3-0.6B
-# architecture, float32), lora (the LoRA kernels' tests compiled, then scripts/bench_lora.py:
-# Llama-3.1-8B architecture, 4 mixed rank-16 adapters against the base model, batch-8 latency
-# with one, and per-kernel decode time), serve
+# the benchmarked models' linear shapes, beside the floor), specbench (a speculative verify
+# step with k = 2, 4 against a decode step, Llama-3.1-8B architecture, batch 1/8/32),
+# speccheck (ngram and draft-model greedy tokens identical to plain decoding under the decode
+# and verify CUDA graphs, Qwen3-0.6B architecture, float32), lora (the LoRA kernels' tests
+# compiled, then scripts/bench_lora.py: Llama-3.1-8B architecture, 4 mixed rank-16 adapters
+# against the base model, batch-8 latency with one, and per-kernel decode time), structured
+# (bench_structured.py: step time with every request under one JSON schema against none, batch
+# 1/32/128, Qwen3-0.6B architecture, dummy weights), structsim (the same engine over a simulated
+# 1 ms forward, no GPU: whether this host's cores hide the bitmask fill), serve
 # (bench_serve.py at rate inf and two finite rates, 1000 prompts of 1024 in / 128 out, against
 # the embedded model).
 #
@@ -223,6 +226,9 @@ for s in $STAGES; do
     structured) stage structured 300 'batch|overhead|^ *[0-9]|Error|error' -- \
       $PY scripts/bench_structured.py --device cuda --model $QWEN --load-format dummy \
       --dtype bfloat16 --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ;;
+    structsim) stage structsim 200 'batch|overhead|^ *[0-9]|Error|error' -- \
+      $PY scripts/bench_structured.py --simulate-device-ms 1.0 \
+      --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from test_api import FakeEngine, FakeStream, sse_events, tokenizer  # noqa: F401 (fixture)
 from test_cli import quiet_serve  # noqa: F401 (fixture)
 
-from bastion.api.chat_output import check_constraint_with_reasoning
+from bastion.api.chat_output import constrain_after_reasoning
 from bastion.api.errors import ApiError
 from bastion.api.server import ApiConfig, build_app
 from bastion.api.tools import ToolRequest, forced_schema
@@ -260,7 +260,7 @@ async def test_parallel_tool_calls_false_keeps_the_first(serve_script):
         },
     )
     message, _ = streamed_message(await sse_events(resp))
-    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"city": "Paris"}']
 
 
 async def test_malformed_call_is_content(serve_script):
@@ -500,13 +500,33 @@ async def test_bad_tool_requests_get_400(serve_script, config, body, message):
     assert engine.requests == []
 
 
-async def test_forced_choice_with_a_reasoning_parser_is_refused(serve_script, monkeypatch):
+class ThinkTokenizer(TemplateTokenizer):
+    """A vocabulary with ``</think>`` as one token (Qwen3's and DeepSeek-R1's have it; the
+    embedded model's splits it), id ``END_ID``."""
+
+    END_ID = 49151
+
+    def encode(self, text, *args, **kwargs):
+        if text == "</think>":
+            return [self.END_ID]
+        return self._tokenizer.encode(text, *args, **kwargs)
+
+
+async def test_forced_choice_under_a_reasoning_parser_starts_after_the_reasoning(
+    serve_script, tokenizer, monkeypatch  # noqa: F811
+):
     monkeypatch.setattr("bastion.api.tools.structured_outputs_available", lambda: True)
-    http, engine = await serve_script("x", ApiConfig(reasoning_parser="qwen3"))
+    text = ("<think>\nThe user wants the weather; call the tool.\n</think>"
+            '[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    http, engine = await serve_script(text, ApiConfig(reasoning_parser="qwen3"))
+    engine.tokenizer = ThinkTokenizer(tokenizer, TEMPLATE)
     status, body = await chat(http, tools=[WEATHER], tool_choice="required")
-    assert status == 400 and body["error"]["param"] == "tool_choice"
-    assert "cannot be combined with --reasoning-parser qwen3" in body["error"]["message"]
-    assert engine.requests == []
+    assert status == 200, body
+    spec = engine.requests[0][2].structured_outputs
+    assert spec.start_after_token_id == ThinkTokenizer.END_ID and spec.json is not None
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "The user wants the weather; call the tool."
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"city": "Paris"}']
 
 
 @pytest.mark.parametrize(
@@ -529,13 +549,27 @@ def test_parser_flags_fail_at_start_up(quiet_serve, capsys, argv, message):  # n
 # ----------------------------------------------------------------------------- reasoning
 
 
-def test_a_constraint_under_a_reasoning_parser_is_refused():
+def test_a_constraint_under_a_reasoning_parser_starts_after_the_reasoning(tokenizer):  # noqa: F811
+    """vLLM's rule: the grammar applies from the model's first ``</think>`` on, or from the
+    first token when the prompt closed the reasoning; a vocabulary without a ``</think>``
+    token cannot say where that is."""
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
-    check_constraint_with_reasoning(params, ApiConfig())  # no reasoning parser: fine
+    think = ThinkTokenizer(tokenizer, TEMPLATE)
+    qwen3 = ApiConfig(reasoning_parser="qwen3")
+    assert constrain_after_reasoning(params, ApiConfig(), "<think>", think) == params
+    assert constrain_after_reasoning(SamplingParams(), qwen3, "", think) == SamplingParams()
+    after = constrain_after_reasoning(params, qwen3, "<|im_start|>assistant\n", think)
+    assert after.structured_outputs == StructuredOutputsParams(
+        json_object=True, start_after_token_id=ThinkTokenizer.END_ID)
+    opened = ApiConfig(reasoning_parser="deepseek_r1")
+    assert constrain_after_reasoning(params, opened, "<think>\n", think) == after
+    # enable_thinking false: the template wrote an empty block, the answer comes next.
+    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert constrain_after_reasoning(params, qwen3, closed, think) == params
     with pytest.raises(ApiError) as error:
-        check_constraint_with_reasoning(params, ApiConfig(reasoning_parser="qwen3"))
-    assert (error.value.status, error.value.param) == (400, "response_format")
-    assert "--reasoning-parser qwen3" in error.value.message
+        constrain_after_reasoning(params, qwen3, "", tokenizer, "tool_choice")
+    assert (error.value.status, error.value.param) == (400, "tool_choice")
+    assert "</think>, which is not one token" in error.value.message
 
 
 THINK_TEXT = "<think>\nThe user wants the weather; call the tool.\n</think>\n\n" + CALL_TEXT
@@ -561,6 +595,21 @@ async def test_reasoning_then_a_call_whole_and_streamed(serve_script):
     assert finish == "tool_calls"
     assert streamed["reasoning_content"] == message["reasoning_content"]
     assert without_ids(streamed["tool_calls"]) == without_ids(message["tool_calls"])
+
+
+async def test_a_json_answer_after_reasoning(serve_script, tokenizer):  # noqa: F811
+    text = '<think>\nA city and a number.\n</think>{"city": "Paris", "n": 2}'
+    http, engine = await serve_script(text, ApiConfig(reasoning_parser="qwen3"))
+    engine.tokenizer = ThinkTokenizer(tokenizer, TEMPLATE)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "n": {
+        "type": "integer"}}, "required": ["city", "n"]}
+    status, body = await chat(http, response_format={"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": schema}})
+    assert status == 200, body
+    assert engine.requests[0][2].structured_outputs.start_after_token_id == ThinkTokenizer.END_ID
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "A city and a number."
+    assert json.loads(message["content"]) == {"city": "Paris", "n": 2}
 
 
 async def test_reasoning_without_tools(serve_script):

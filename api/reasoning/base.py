@@ -41,6 +41,12 @@ def prompt_opens_reasoning(prompt: str) -> bool:
     return prompt.rstrip().endswith(START_TAG)
 
 
+def prompt_closes_reasoning(prompt: str) -> bool:
+    """True when the rendered prompt ends with a ``</think>``: the template wrote the reasoning
+    block itself (empty, when thinking is off) and the answer comes next."""
+    return prompt.rstrip().endswith(END_TAG)
+
+
 class ReasoningParser:
     starts_in_reasoning = False  # the model's template always opens the reasoning
 
