@@ -214,7 +214,7 @@ class EngineCore:
         right behind the sampling.
         """
         launched = False
-        if self.scheduler.has_unfinished_requests and len(self.inflight) < 2:
+        if self._may_launch():
             sched = self.scheduler.schedule()
             if sched.num_scheduled_tokens or sched.finished_request_ids:
                 self.inflight.append(_InFlight(sched, self.executor.execute_model_async(sched)))
@@ -229,6 +229,16 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(step.sched, step.result.output())
         self._start_fill()
         return outputs
+
+    def _may_launch(self) -> bool:
+        if not self.scheduler.has_unfinished_requests or len(self.inflight) >= 2:
+            return False
+        # NOTE: under async speculation the worker prepares a step from the one before it
+        # sampled (it drafts from the accepted tokens), so no step may queue behind one still
+        # waiting for its grammar bitmask: that one is folded (its bitmask sent) first.
+        last = self.inflight[-1] if self.inflight else None
+        return not (self.scheduler.is_async_spec and last is not None
+                    and last.sched.structured_output_request_ids)
 
     def _start_fill(self) -> None:
         # NOTE: only the oldest step in flight: with every step before it folded in, its
