@@ -20,16 +20,23 @@ ALLOWED = {
 }
 
 
-def _imports(path: Path) -> set[str]:
-    """Every ``bastion.X.Y`` module the file names in an import statement."""
+def _named_modules(path: Path, with_members: bool) -> set[str]:
+    """The modules the file's absolute import statements name (``with_members``: and each
+    ``from M import x`` as ``M.x``, which may be a module)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return {n for n in names if n.startswith("bastion.")}
+            if with_members:
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ``bastion.X.Y`` module the file names in an import statement."""
+    return {n for n in _named_modules(path, True) if n.startswith("bastion.")}
 
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
@@ -80,13 +87,8 @@ def test_procs_and_the_sentinel_import_each_other_in_no_cycle() -> None:
 
 def _all_imports(path: Path) -> set[str]:
     """The top-level package of every module the file imports, and its bastion modules."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return {n if n.startswith("bastion.") else n.split(".")[0] for n in names}
+    return {n if n.startswith("bastion.") else n.split(".")[0]
+            for n in _named_modules(path, False)}
 
 
 # The engine client's pieces (issue #24) and what each may import: routing and hold/resume are
