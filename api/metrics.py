@@ -184,7 +184,6 @@ class ApiMetrics:
         m = self.model_name
         for status in statuses:
             self.engine_state.labels(m, str(status.engine_id)).set(int(status.state))
-        for status in statuses:
             kind = status.fault_kind
             if kind != self._counted_kind.get(status.engine_id, FailureKind.NONE):
                 self._counted_kind[status.engine_id] = kind

@@ -22,8 +22,9 @@ import traceback
 import msgspec
 import zmq
 
-# NOTE: nothing here imports torch (bastion.core.config does, ~3 s on a loaded host): an
-# engine spare spawns its worker spares before that.
+# NOTE: nothing here imports torch (~3 s on a loaded host; bastion.core.config does not
+# either): an engine spawns its workers, or an engine spare its worker spares, before that.
+from bastion.core.config import ConfigError, EngineConfig
 from bastion.ipc.codec import encode
 from bastion.ipc.control import HandshakeInfo
 from bastion.ipc.messages import Failure
@@ -59,9 +60,7 @@ def main(argv: list[str]) -> None:
     if role not in _MAINS:
         raise ValueError(f"unknown role {role!r}")
     ctx = zmq.Context.instance()
-    from bastion.core.config import ConfigError, EngineConfig
-
-    worker_spares = handshake = info = None
+    worker_spares = handshake = info = config = None
     if spare is not None and role == "engine" and spare.num_workers > 0:
         worker_spares = _start_worker_spares(spare, ctx)
     elif spare is None and role == "engine":
@@ -69,7 +68,8 @@ def main(argv: list[str]) -> None:
         # start and import beside this process's own imports, as a spare's worker spares do
         # (in series they cost one interpreter start and torch import more).
         handshake, info = child_handshake(ctx, address, role, rank)
-        worker_spares = _start_worker_spares(_cold_worker_settings(info), ctx)
+        config = msgspec.json.decode(info.config_json, type=EngineConfig)
+        worker_spares = _start_worker_spares(_cold_worker_settings(config, info), ctx)
     module, name = _MAINS[role]
     role_main = getattr(importlib.import_module(module), name)
     extra = {} if worker_spares is None else {"worker_spares": worker_spares}
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> None:
         title = spare.title
         set_process_title(title)
     try:
-        config = msgspec.json.decode(info.config_json, type=EngineConfig)
+        config = config or msgspec.json.decode(info.config_json, type=EngineConfig)
         role_main(config, info, handshake, ctx, **extra)
     except SystemExit:
         raise
@@ -118,11 +118,8 @@ def _start_worker_spares(spare: SpareSettings, ctx: zmq.Context) -> Spares:
     return Spares(ctx, address, "worker", settings)
 
 
-def _cold_worker_settings(info: HandshakeInfo) -> SpareSettings:
+def _cold_worker_settings(config: EngineConfig, info: HandshakeInfo) -> SpareSettings:
     """An engine's launch as the settings of an engine spare: what its workers need to start."""
-    from bastion.core.config import EngineConfig
-
-    config = msgspec.json.decode(info.config_json, type=EngineConfig)
     tp = config.parallel.tensor_parallel_size
     return SpareSettings(f"bastion::engine-{info.rank}", config.model.device, tp,
                          info.launch.runtime_dir, info.rank, tp, info.config_json.decode())
@@ -164,7 +161,6 @@ def _prepare_spare(role: str, rank: int, spare: SpareSettings) -> None:
     for model_type in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         CONFIG_MAPPING[model_type]
     if spare.config_json:
-        from bastion.core.config import EngineConfig
         from bastion.core.loader import resolve_model
 
         try:  # memoized per process: the promoted spare finds it done
