@@ -54,6 +54,9 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_CPU_KERNELS": EnvVar(
         True, _flag, "0: the CPU path runs the torch references instead of its C kernels "
         "(ops/cpu: decode attention, rotary + KV store, greedy argmax)"),
+    "BASTION_LORA_SIDE_STREAM": EnvVar(
+        True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
+        "in captured graphs (core/lora/layers.py)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

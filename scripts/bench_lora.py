@@ -138,9 +138,10 @@ def run_config(args: argparse.Namespace) -> dict:
         [loras[i % len(loras)] for i in range(8)] if loras else None,
     )
     rows = {}
-    seconds = timed(prompts, params, mixed)
-    name = f"throughput, {len(loras)} adapters mixed" if loras else "throughput, base"
-    rows[name] = sum(lengths) / seconds
+    if not args.latency_only:
+        seconds = timed(prompts, params, mixed)
+        name = f"throughput, {len(loras)} adapters mixed" if loras else "throughput, base"
+        rows[name] = sum(lengths) / seconds
     batch = [[rng.randint(0, 10000) for _ in range(args.latency_input)] for _ in range(8)]
     latency = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.latency_output)
     cases = [("latency b8, base", None)]
@@ -235,6 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-input", type=int, default=32)
     p.add_argument("--latency-output", type=int, default=None, help="default: 128 GPU, 32 CPU")
     p.add_argument("--latency-iters", type=int, default=3)
+    p.add_argument("--latency-only", action="store_true", help="skip the throughput runs")
     p.add_argument("--profile", action="store_true", help="device time per kernel, decode b8")
     p.add_argument("--profile-steps", type=int, default=8, help="decode steps profiled")
     p.add_argument("--profile-top", type=int, default=30, help="kernels printed")
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             for x in out.splitlines():
                 if x.startswith("PROFILE "):
                     profiles.update(json.loads(x[len("PROFILE ") :]))
-    base_tput, base_lat = rows["throughput, base"], rows["latency b8, base"]
+    base_tput, base_lat = rows.get("throughput, base"), rows["latency b8, base"]
     print(
         f"\nbench_lora on {args.device}: {'Llama-3.1-8B dummy' if args.device == 'cuda' else 'embedded SmolLM2'}, "
         f"rank {args.rank} on all seven modules, {args.num_seqs} seqs with prompt/output "

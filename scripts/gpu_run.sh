@@ -156,7 +156,7 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --gemm-host --iters 30 ;;
     prefillsweep) stage prefillsweep 200 'copy|chunk|whole|halves' -- \
       $PY scripts/gpu_kernel_check.py --prefill-sweep --iters 20 ;;
-    tests) stage tests 150 'passed|failed|error|bf16:' -- \
+    tests) stage tests 200 'passed|failed|error|bf16:' -- \
       $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu tests/test_triton_kernels.py -m gpu ;;
     offline) stage offline 150 'workload|bastion|phase|steps 1-|batch >=|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \

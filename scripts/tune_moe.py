@@ -5,7 +5,8 @@ For each token count two routings are drawn: uniform (random router logits, top-
 load-balanced router) and hot (every token's k experts among the same 2k: a skewed router, or
 dummy weights). Every candidate ``BLOCK_SIZE_M`` is tried with a grid of tiles for each product
 (gate/up with SiLU, and down), each timed alone replayed from a CUDA graph (median over
-``--iters`` ms). Of the ``BLOCK_SIZE_M``s (shared: the align step pads to it) within 5 % of the
+``--iters`` ms), cycling over disjoint expert sets so the weights come from HBM as in the
+model, not from L2. Of the ``BLOCK_SIZE_M``s (shared: the align step pads to it) within 5 % of the
 uniform routing's best, the one fastest under the hot routing is kept, with the tiles the
 uniform routing preferred under it. Up to one pair per expert the matrix-vector kernels
 (``ops/triton/fused_moe_gemv.py``) are tuned too, and replace the grouped GEMM where the whole
@@ -67,7 +68,15 @@ def time_ms(fn: Callable[[], object], iters: int) -> float:
 
 
 class RoutingCase:
-    """One token count's routing with its inputs and scratch buffers."""
+    """One token count's routing with its inputs and scratch buffers.
+
+    NOTE: in the model every layer reads other experts' weights from HBM, while a kernel
+    replayed on the same experts finds them in the 50 MB L2 (one token's eight down
+    projections are 25 MB): its time, and the tile it picks, would be the L2's. So each timed
+    call runs ``ROTATIONS`` routings of the same shape, the expert ids shifted by ``E /
+    ROTATIONS`` each, over as many disjoint expert sets, and reports the time per routing."""
+
+    ROTATIONS = 8
 
     def __init__(self, m: int, num_router: int, w13: torch.Tensor, w2: torch.Tensor,
                  top_k: int, hot: bool, bw: float) -> None:
@@ -79,7 +88,10 @@ class RoutingCase:
         if hot:
             logits[:, : 2 * top_k] += 8.0
         weights, ids = moe_routing_triton(logits, top_k, True)
-        self.ids = ids % num_experts  # a rank's share, as if local
+        shift = max(1, num_experts // self.ROTATIONS)
+        # A rank's share, as if local; then the same routing over the other expert sets.
+        self.id_sets = [(ids + r * shift) % num_experts for r in range(self.ROTATIONS)]
+        self.ids = self.id_sets[0]
         self.weights = weights.reshape(-1)
         self.w13, self.w2, self.top_k, self.num_experts = w13, w2, top_k, num_experts
         self.x = torch.randn(m, hidden, device=dev, dtype=dtype)
@@ -89,31 +101,39 @@ class RoutingCase:
         touched = int(torch.unique(self.ids).numel())
         self.floor_s = (touched * expert_bytes + 2 * m * hidden * 2 + m * top_k * two_n * 2) / bw
 
+    def per_routing_ms(self, make: Callable[[torch.Tensor], Callable[[], object]],
+                       iters: int) -> float:
+        """Milliseconds of one call of ``make(ids)()``, over the rotated routings."""
+        calls = [make(ids) for ids in self.id_sets]
+        return time_ms(lambda: [call() for call in calls], iters) / len(calls)
+
     def best(self, block_m: int, iters: int) -> tuple[float, dict, dict]:
         """(seconds, up tile, down tile): the fastest tile of each product."""
-        from bastion.ops.triton.moe_align import moe_align_triton
-
-        aligned = moe_align_triton(self.ids, block_m, self.num_experts)
         tiles = candidates(block_m)
-        up = min(tiles, key=lambda t: time_ms(self.product(aligned, block_m, t, True), iters))
-        down = min(tiles, key=lambda t: time_ms(self.product(aligned, block_m, t, False), iters))
+        up = min(tiles, key=lambda t: self.product_ms(block_m, t, True, iters))
+        down = min(tiles, key=lambda t: self.product_ms(block_m, t, False, iters))
         return self.time({"BLOCK_SIZE_M": block_m, "up": up, "down": down}, iters), up, down
 
-    def product(self, aligned: tuple, block_m: int, tile: dict, gated: bool
-                ) -> Callable[[], object]:
+    def product_ms(self, block_m: int, tile: dict, gated: bool, iters: int) -> float:
         from bastion.ops.triton.fused_moe import fused_moe_gemm_triton
+        from bastion.ops.triton.moe_align import moe_align_triton
 
         config = {"BLOCK_SIZE_M": block_m, **tile}
-        if gated:
-            return lambda: fused_moe_gemm_triton(self.x, self.w13, self.act, None, *aligned,
-                                                 self.top_k, True, config)
-        return lambda: fused_moe_gemm_triton(self.act, self.w2, self.out, self.weights,
-                                             *aligned, self.top_k, False, config)
+
+        def make(ids: torch.Tensor) -> Callable[[], object]:
+            aligned = moe_align_triton(ids, block_m, self.num_experts)
+            if gated:
+                return lambda: fused_moe_gemm_triton(self.x, self.w13, self.act, None, *aligned,
+                                                     self.top_k, True, config)
+            return lambda: fused_moe_gemm_triton(self.act, self.w2, self.out, self.weights,
+                                                 *aligned, self.top_k, False, config)
+
+        return self.per_routing_ms(make, iters)
 
     def best_gemv(self, iters: int) -> tuple[float, dict]:
         """(seconds, config) of the matrix-vector kernels, each product's tile tuned alone."""
-        up = min(gemv_candidates(True), key=lambda t: time_ms(self.gemv(t, True), iters))
-        down = min(gemv_candidates(False), key=lambda t: time_ms(self.gemv(t, False), iters))
+        up = min(gemv_candidates(True), key=lambda t: self.gemv_ms(t, True, iters))
+        down = min(gemv_candidates(False), key=lambda t: self.gemv_ms(t, False, iters))
         config = {"gemv": {"up": up, "down": down}}
         return self.time(config, iters), config
 
@@ -122,42 +142,45 @@ class RoutingCase:
         from bastion.ops.triton.fused_moe import fused_moe_triton
 
         weights = self.weights.view(self.ids.shape)
-        return 1e-3 * time_ms(lambda: fused_moe_triton(self.x, self.w13, self.w2, weights,
-                                                       self.ids, config=config), iters)
+        return 1e-3 * self.per_routing_ms(
+            lambda ids: lambda: fused_moe_triton(self.x, self.w13, self.w2, weights, ids,
+                                                 config=config), iters)
 
-    def gemv(self, tile: dict, up: bool) -> Callable[[], object]:
+    def gemv_ms(self, tile: dict, up: bool, iters: int) -> float:
         from bastion.ops.triton import fused_moe_gemv as g
 
-        ids, weights = self.ids, self.weights.view(self.ids.shape)
+        weights = self.weights.view(self.ids.shape)
         num_local, two_n, hidden = self.w13.shape
         inter, t = two_n // 2, self.x.shape[0]
         bn, bk = tile["BLOCK_SIZE_N"], tile["BLOCK_SIZE_K"]
         launch = {"TOP_K": self.top_k, "BLOCK_N": bn, "BLOCK_K": bk,
                   "num_warps": tile["num_warps"], "num_stages": tile["num_stages"]}
-        if up:
-            grid = (t * self.top_k, -(-inter // bn))
-            return lambda: g._moe_gemv_up_kernel[grid](
-                self.x, self.w13, self.act, ids, 0, num_local, inter, hidden, self.x.stride(0),
-                self.w13.stride(0), self.w13.stride(1), self.act.stride(0), **launch)
         out = self.out[:t]
-        grid = (t, -(-hidden // bn))
         block_topk = 1 << (self.top_k - 1).bit_length()
-        return lambda: g._moe_gemv_down_kernel[grid](
-            self.act, self.w2, out, ids, weights, 0, num_local, hidden, inter,
-            self.act.stride(0), self.w2.stride(0), self.w2.stride(1), out.stride(0),
-            BLOCK_TOPK=block_topk, **launch)
+
+        def make(ids: torch.Tensor) -> Callable[[], object]:
+            if up:
+                grid = (t * self.top_k, -(-inter // bn))
+                return lambda: g._moe_gemv_up_kernel[grid](
+                    self.x, self.w13, self.act, ids, 0, num_local, inter, hidden,
+                    self.x.stride(0), self.w13.stride(0), self.w13.stride(1),
+                    self.act.stride(0), **launch)
+            grid = (t, -(-hidden // bn))
+            return lambda: g._moe_gemv_down_kernel[grid](
+                self.act, self.w2, out, ids, weights, 0, num_local, hidden, inter,
+                self.act.stride(0), self.w2.stride(0), self.w2.stride(1), out.stride(0),
+                BLOCK_TOPK=block_topk, **launch)
+
+        return self.per_routing_ms(make, iters)
 
     def time(self, config: dict, iters: int) -> float:
         if "gemv" in config:
             tiles = config["gemv"]
-            return 1e-3 * (time_ms(self.gemv(tiles["up"], True), iters)
-                           + time_ms(self.gemv(tiles["down"], False), iters))
-        from bastion.ops.triton.moe_align import moe_align_triton
-
+            return 1e-3 * (self.gemv_ms(tiles["up"], True, iters)
+                           + self.gemv_ms(tiles["down"], False, iters))
         block_m = config["BLOCK_SIZE_M"]
-        aligned = moe_align_triton(self.ids, block_m, self.num_experts)
-        return 1e-3 * (time_ms(self.product(aligned, block_m, config["up"], True), iters)
-                       + time_ms(self.product(aligned, block_m, config["down"], False), iters))
+        return 1e-3 * (self.product_ms(block_m, config["up"], True, iters)
+                       + self.product_ms(block_m, config["down"], False, iters))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,13 +19,14 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+
 from bastion.core.forward_context import AttentionMetadata
 from bastion.ops.activation import silu_and_mul_ref
 from bastion.ops.attention import paged_attention_ref
 from bastion.ops.kv_store import store_kvcache_ref
+from bastion.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from bastion.ops.moe import fused_moe_ref, select_experts_ref
 from bastion.ops.moe_configs import grouped_moe_config
-from bastion.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from bastion.ops.rotary import apply_rotary_emb_ref
 
 _KERNEL_MODULES = [
@@ -785,15 +786,20 @@ def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(num_tokens: int) -> No
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gpu_gemv_decode_rows_bf16(rows: int) -> None:
     """The decode-rows matmul as the linear layers call it on CUDA (``ops.linear``), at
-    Qwen3-30B-A3B's qkv shape and its router's float32 output, against float32 products."""
-    from bastion.ops.linear import gemv
+    Qwen3-30B-A3B's qkv and o shapes and its router's float32 output, against float32
+    products; where ``gemv_config`` leaves a shape to cuBLAS (qkv's 5120 columns from two
+    rows on) ``gemv`` must say so with None."""
+    from bastion.ops.linear import gemv, gemv_config
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(rows)
     x = torch.randn(rows, 2048, device=dev, generator=gen).bfloat16()
-    for n, out_dtype in ((5120, None), (128, torch.float32)):
+    for n, out_dtype in ((5120, None), (2048, None), (128, torch.float32)):
         w = (torch.randn(n, 2048, device=dev, generator=gen) / 2048 ** 0.5).bfloat16()
         out = gemv(x, w, out_dtype=out_dtype)
+        if gemv_config(rows, n, 2048) is None:
+            assert out is None
+            continue
         assert out is not None and out.dtype == (out_dtype or torch.bfloat16)
         ref = x.float() @ w.float().t()
         assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2

@@ -14,11 +14,13 @@ output columns read rank block i), so one shrink and one expand serve the whole 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from bastion import envs
 from bastion.core.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -62,12 +64,22 @@ class LoRAState:
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.is_active = False
         # NOTE: one scratch for every layer: a layer's expand has read and zeroed it before the
-        # next layer's shrink adds into it (one stream). Zero between calls, persistent, so
+        # next layer's shrink adds into it (the side stream waits for the main one first). Zero between calls, persistent, so
         # captured graphs use it in place; so are the counters.
         self.scratch = torch.zeros(max_tokens * max_width, dtype=torch.float32, device=device)
         self.tile_counts = torch.zeros(
             max_loras, max_row_tiles(max_tokens), dtype=torch.int32, device=device
         )
+        self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
+        """The stream a layer's shrink overlaps its base matmul on: only inside a CUDA graph
+        capture (eager steps would pay the host cost of the stream switches) and unless
+        BASTION_LORA_SIDE_STREAM=0."""
+        if (self._side_stream is None or not torch.cuda.is_current_stream_capturing()
+                or not envs.get("BASTION_LORA_SIDE_STREAM")):
+            return None
+        return self._side_stream
 
     def set_rows(self, token_slots: np.ndarray) -> None:
         """This step's slot of every row, from the first (later rows, a graph's padding, get
@@ -138,16 +150,32 @@ class LoRASlots:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add each row's adapter delta into ``y`` (rows of slot -1 keep the base output)."""
-        if not self.state.is_active:
-            return
+    def apply(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``base()`` (the layer's own matmul of ``x``) with each row's adapter delta added
+        (rows of slot -1 keep the base output).
+
+        While a CUDA graph is captured the shrink, which reads only ``x``, runs on the
+        state's side stream beside the base matmul and the expand joins both: at decode sizes
+        the shrink is a few microseconds of latency that the GEMM hides."""
         state = self.state
+        if not state.is_active:
+            return base()
         h = state.h(x.shape[0], self.lora_a.shape[1])
-        lora_shrink(x, self.lora_a, state.index, h)
+        side = state.side_stream(x)
+        if side is None:
+            y = base()
+            lora_shrink(x, self.lora_a, state.index, h)
+        else:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)  # x is ready, and the last layer's expand has zeroed h
+            with torch.cuda.stream(side):
+                lora_shrink(x, self.lora_a, state.index, h)
+            y = base()
+            main.wait_stream(side)
         lora_expand(
             h, self.lora_b, state.index, state.scales, y, state.tile_counts, self.slice_ends
         )
+        return y
 
 
 def lora_slices(layer: torch.nn.Module, modules: tuple[str, ...]) -> list[Slice]:

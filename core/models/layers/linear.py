@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from bastion.core.models.layers.quantization import UNQUANTIZED, LinearMethod
 from torch import nn
 
+from bastion.core.models.layers.quantization import UNQUANTIZED, LinearMethod
 from bastion.ops.communicator import get_tp_group
 
 
@@ -76,9 +76,10 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
-        if self.lora is not None:
-            self.lora.apply(x, y)
+        if self.lora is None:
+            y = self.quant_method.apply(self, x, self.bias)
+        else:
+            y = self.lora.apply(x, lambda: self.quant_method.apply(self, x, self.bias))
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -162,9 +163,10 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x)
-        if self.lora is not None:
-            self.lora.apply(x, y)
+        if self.lora is None:
+            y = self.quant_method.apply(self, x)
+        else:
+            y = self.lora.apply(x, lambda: self.quant_method.apply(self, x))
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
