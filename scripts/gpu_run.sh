@@ -31,7 +31,8 @@
 # speccheck (ngram and draft-model greedy tokens identical to plain decoding under the decode
 # and verify CUDA graphs, Qwen3-0.6B architecture, float32), lora (the LoRA kernels' tests
 # compiled, then scripts/bench_lora.py: Llama-3.1-8B architecture, 4 mixed rank-16 adapters
-# against the base model, batch-8 latency with one, and per-kernel decode time), structured
+# against the base model, batch-8 latency with one, and per-kernel decode time), loralat (that
+# latency alone, with the shrink on its side stream and without), structured
 # (bench_structured.py: step time with every request under one JSON schema against none, batch
 # 1/32/128, Qwen3-0.6B architecture, dummy weights), structsim (the same engine over a simulated
 # 1 ms forward, no GPU: whether this host's cores hide the bitmask fill), serve
@@ -223,6 +224,9 @@ for s in $STAGES; do
     # made from the converted embedded model: copy tokenizer.json, tokenizer_config.json and
     # chat_template.jinja from ~/.cache/bastion/gguf/SmolLM2-*/, and configs/qwen3-0.6b's
     # config.json with vocab_size 49152, bos 1, eos 2 (the ftdrill stage serves it as a model).
+    loralat) stage loralat 300 'side stream|latency|Error|error' -- bash -c \
+      "for v in 1 0; do echo \"BASTION_LORA_SIDE_STREAM=\$v\"; BASTION_LORA_SIDE_STREAM=\$v \
+      $PY scripts/bench_lora.py --device cuda --latency-only; done" ;;
     structured) stage structured 300 'batch|overhead|^ *[0-9]|Error|error' -- \
       $PY scripts/bench_structured.py --device cuda --model $QWEN --load-format dummy \
       --dtype bfloat16 --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ;;
