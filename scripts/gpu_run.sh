@@ -224,7 +224,7 @@ for s in $STAGES; do
     # made from the converted embedded model: copy tokenizer.json, tokenizer_config.json and
     # chat_template.jinja from ~/.cache/bastion/gguf/SmolLM2-*/, and configs/qwen3-0.6b's
     # config.json with vocab_size 49152, bos 1, eos 2 (the ftdrill stage serves it as a model).
-    loralat) stage loralat 300 'side stream|latency|Error|error' -- bash -c \
+    loralat) stage loralat 300 'SIDE_STREAM|latency|Error|error' -- bash -c \
       "for v in 1 0; do echo \"BASTION_LORA_SIDE_STREAM=\$v\"; BASTION_LORA_SIDE_STREAM=\$v \
       $PY scripts/bench_lora.py --device cuda --latency-only; done" ;;
     structured) stage structured 300 'batch|overhead|^ *[0-9]|Error|error' -- \
