@@ -177,11 +177,67 @@ class SimulatedExecutor:
         pass
 
 
+class HostTimes:
+    """Where the engine's thread spends a step (``--breakdown``): the wall time inside each
+    wrapped call, summed per step. ``wait tokens`` is a launched step's ``output()`` (the
+    host waiting for the device), ``wait fill`` the bitmask's ``result()`` (waiting for the
+    fill thread)."""
+
+    PARTS = ("schedule", "launch", "start fill", "wait fill", "sample", "wait tokens", "fold",
+             "other")
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, owner: object, name: str, part: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.step[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def unwrap(self, owner: object, names: list[str]) -> None:
+        for name in names:
+            if name in vars(owner):
+                delattr(owner, name)
+
+    def end_step(self, counted: bool, wall_s: float) -> None:
+        if counted:
+            self.step["other"] = wall_s - sum(self.step.values())
+            self.steps.append(self.step)
+        self.step = dict.fromkeys(self.PARTS, 0.0)
+
+    def medians_ms(self) -> dict[str, float]:
+        steps = self.steps[2:] or self.steps
+        return {part: 1e3 * statistics.median(s[part] for s in steps) for part in self.PARTS}
+
+
 def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
                 prompt: list[int], max_tokens: int, spec: StructuredOutputsParams | None,
-                tag: str) -> tuple[list[float], list[float]]:
+                tag: str, host: HostTimes | None = None) -> tuple[list[float], list[float]]:
     fills: list[float] = []
     fill = engine.scheduler.grammar_bitmask
+    if host is not None:
+        host.wrap(engine.scheduler, "schedule", "schedule")
+        host.wrap(engine.scheduler, "update_from_output", "fold")
+        host.wrap(engine.executor, "sample_tokens", "sample")
+        host.wrap(engine, "_start_fill", "start fill")
+        launch = engine.executor.execute_model_async
+
+        def timed_launch(sched: SchedulerOutput):
+            start = time.perf_counter()
+            result = launch(sched)
+            host.step["launch"] += time.perf_counter() - start
+            host.wrap(result, "output", "wait tokens")
+            return result
+
+        engine.executor.execute_model_async = timed_launch
 
     def timed_fill(sched: SchedulerOutput) -> BitmaskFill:
         started = fill(sched)
@@ -191,7 +247,10 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
             # NOTE: only the time is kept: a kept fill would keep its rows, and each new
             # fill would then write fresh pages (a third of a fill's time at 128 rows).
             del started.result
+            start = time.perf_counter()
             msg = result()
+            if host is not None:
+                host.step["wait fill"] += time.perf_counter() - start
             fills.append(started.fill_s)
             return msg
 
@@ -212,11 +271,18 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
     while engine.has_unfinished_requests:
         out = engine.step()
         now = time.perf_counter()
-        if out.stats.num_running_reqs == batch and out.stats.num_waiting_reqs == 0:
+        counted = out.stats.num_running_reqs == batch and out.stats.num_waiting_reqs == 0
+        if counted:
             steps.append(now - last)
+        if host is not None:
+            host.end_step(counted, now - last)
         last = now
     synchronize(device)
     del engine.scheduler.grammar_bitmask
+    if host is not None:
+        host.unwrap(engine.scheduler, ["schedule", "update_from_output"])
+        host.unwrap(engine.executor, ["sample_tokens", "execute_model_async"])
+        host.unwrap(engine, ["_start_fill"])
     # The first steps of the batch are its prefill; the steady state is what is compared.
     return steps[2:], fills
 
@@ -239,6 +305,8 @@ def main() -> None:
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="no model: a simulated device whose forward takes this long (the "
                         "Qwen3-0.6B config's vocabulary, stand-in tokens)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also the engine thread's host time per step by part (median ms)")
     args = p.parse_args()
     max_num_seqs = max(args.batch_sizes)
     if args.simulate_device_ms is not None:
@@ -269,16 +337,19 @@ def main() -> None:
         engine.structured_output.fill_in_background = args.fill_in_background == "yes"
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
-    rows = []
+    rows, breakdowns = [], []
     for batch in args.batch_sizes:
         medians = {}
         fill_ms = 0.0
         for name, s in (("none", None), ("json", spec)):
             timed_batch(engine, eos_token_id, device, batch, prompt, 8, s,
                         f"warm-{name}-{batch}")
+            host = HostTimes() if args.breakdown else None
             steps, fills = timed_batch(engine, eos_token_id, device, batch, prompt,
-                                       args.max_tokens, s, f"{name}-{batch}")
+                                       args.max_tokens, s, f"{name}-{batch}", host)
             medians[name] = statistics.median(steps) * 1e3
+            if host is not None:
+                breakdowns.append((batch, name, host.medians_ms()))
             if fills:
                 fill_ms = statistics.median(fills) * 1e3
         rows.append((batch, medians["none"], medians["json"], fill_ms,
@@ -288,6 +359,12 @@ def main() -> None:
           f"{'fill ms':>7} | {'overhead':>8}")
     for batch, none, js, fill_ms, pct in rows:
         print(f"{batch:>5} | {none:>14.2f} | {js:>14.2f} | {fill_ms:>7.2f} | {pct:>+7.1f}%")
+    if breakdowns:
+        print("\nhost time per step on the engine's thread, median ms")
+        print(f"{'batch':>5} {'case':>5} | " + " | ".join(f"{p:>10}" for p in HostTimes.PARTS))
+        for batch, name, parts in breakdowns:
+            print(f"{batch:>5} {name:>5} | "
+                  + " | ".join(f"{parts[p]:>10.3f}" for p in HostTimes.PARTS))
     shutdown()
 
 
