@@ -42,7 +42,9 @@ def is_authorized(header: str | None, key: str) -> bool:
     if scheme.lower() != "bearer":
         return False
     # NOTE: constant-time, so response timing does not reveal how much of a guess matched.
-    return hmac.compare_digest(token.strip().encode(), key.encode())
+    # A header's bytes that are not UTF-8 reach us as surrogates (aiohttp decodes them with
+    # surrogateescape): encoded back the same way they are bytes no key equals, not a 500.
+    return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key.encode())
 
 
 def is_loopback(remote: str | None) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from bastion.api.auth import is_loopback
+from bastion.api.auth import is_authorized, is_loopback
 from bastion.api.config import METRICS_KEY, STATE_KEY, ApiConfigError
 from bastion.api.server import ApiConfig, build_app
 from bastion.core.config import CacheConfig
@@ -534,6 +534,12 @@ async def test_api_key_guards_v1_only(serve):
     assert resp.status == 200
     assert (await resp.json())["data"][0]["id"] == "smollm2"
     assert (await http.get("/health")).status == 200
+    # A token that is not UTF-8 (schemathesis sends such bytes) is a wrong key, not a 500.
+    resp = await http.get("/v1/models", headers={"Authorization": "Bearer \xcd\xfe"})
+    assert resp.status == 401
+    assert (await resp.json())["error"]["code"] == "invalid_api_key"
+    assert not is_authorized("Bearer \udccd\udcfe", "sekrit")
+    assert is_authorized("Bearer s\u00e9krit", "s\u00e9krit")
 
 
 async def test_engine_error_non_streamed(serve):
