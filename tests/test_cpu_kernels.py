@@ -25,11 +25,20 @@ from bastion.core.forward_context import build_attention_metadata
 from bastion.ops import attention as attention_ops
 from bastion.ops import cpu
 from bastion.ops.attention import paged_attention, paged_attention_ref
+from bastion.ops.activation import silu_and_mul, silu_and_mul_ref
+from bastion.ops.cpu import activation as cpu_activation
 from bastion.ops.cpu import argmax as cpu_argmax
 from bastion.ops.cpu import load_cpu_kernel
 from bastion.ops.cpu import paged_attention as cpu_attention
+from bastion.ops.cpu import rms_norm as cpu_rms_norm
 from bastion.ops.cpu import rotary as cpu_rotary
 from bastion.ops.cpu.argmax import argmax_rows
+from bastion.ops.layernorm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from bastion.ops.rotary import apply_rotary_emb, apply_rotary_emb_ref
 
 has_compiler = pytest.mark.skipif(cpu._compiler() is None, reason="no C compiler")
@@ -98,12 +107,13 @@ def _decode_step(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_di
 def test_every_kernel_builds_and_the_start_up_line_names_them() -> None:
     assert all(load_cpu_kernel(name) is not None for name in cpu.KERNELS)
     line = cpu.describe_cpu_path(torch.float32)
-    assert line.startswith("C kernels paged_attention, rotary, argmax (OpenMP, "
-                           f"{torch.get_num_threads()} threads;"), line
+    assert line.startswith("C kernels paged_attention, rotary, argmax, quant_gemv, rms_norm, "
+                           f"activation (OpenMP, {torch.get_num_threads()} threads;"), line
     assert "torch references" not in line
     line = cpu.describe_cpu_path(torch.bfloat16)
     assert line.startswith("C kernels argmax (OpenMP"), line
-    assert line.endswith("; torch references for paged_attention, rotary (bfloat16 activations)")
+    assert line.endswith("; torch references for paged_attention, rotary, quant_gemv, rms_norm, "
+                         "activation (bfloat16 activations)")
 
 
 @has_compiler
@@ -136,7 +146,7 @@ def test_without_a_compiler_every_kernel_falls_back_with_one_warning(
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
     monkeypatch.setenv("BASTION_CACHE_DIR", str(tmp_path / "cache"))
     caplog.set_level(logging.INFO, logger="bastion.ops.cpu")
-    assert [load_cpu_kernel(name) for name in cpu.KERNELS] == [None, None, None]
+    assert [load_cpu_kernel(name) for name in cpu.KERNELS] == [None] * len(cpu.KERNELS)
     assert cpu.describe_cpu_path(torch.float32) == "torch references (no C compiler)"
     warnings = [r.getMessage() for r in caplog.records
                 if r.levelno >= logging.WARNING and r.name.startswith("bastion")]
@@ -421,3 +431,38 @@ def test_rotary_with_qk_norms_takes_the_reference() -> None:
     assert not cpu_rotary.can_run(q, k, True, {"q_weight": torch.ones(8)})
     assert not cpu_rotary.can_run(q, k, False, {})
     assert not cpu_rotary.can_run(q.bfloat16(), k.bfloat16(), True, {})
+
+
+# ------------------------------------------------------------------------- RMSNorm, SiLU-and-mul
+
+
+@has_compiler
+@pytest.mark.parametrize("num_rows", [1, 3, 17])  # 17: the rows split over threads
+def test_rms_norm_is_the_reference_up_to_an_ulp_alone_and_fused(num_rows: int) -> None:
+    """SmolLM2's width, rows that are views of a wider tensor; the residual sum is exact."""
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(num_rows, 2 * 576, generator=g) * 3
+    x, residual = wide[:, :576], torch.randn(num_rows, 576, generator=g)
+    weight = torch.rand(576, generator=g) + 0.5
+    assert cpu_rms_norm.can_run(x, weight)
+    out = rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-5), rtol=3e-7, atol=0)
+    normed, summed = fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_normed, ref_summed = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, rtol=3e-7, atol=0)
+    assert not cpu_rms_norm.can_run(x.bfloat16(), weight.bfloat16())
+    assert rms_norm(x[:0], weight, 1e-5).shape == (0, 576)
+
+
+@has_compiler
+@pytest.mark.parametrize("num_rows", [1, 2, 17])
+def test_silu_and_mul_is_the_reference_within_float32_rounding(num_rows: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(num_rows, 2 * 1536, generator=g) * 4
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # exp's ends: silu -> 0 and -> a
+    assert cpu_activation.can_run(x)
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), rtol=2e-6, atol=1e-7)
+    strided = x[:, : 2 * 512]
+    torch.testing.assert_close(silu_and_mul(strided), silu_and_mul_ref(strided), rtol=2e-6,
+                               atol=1e-7)

@@ -71,10 +71,10 @@ def test_greedy_parity_with_transformers_as_one_mixed_batch(llm, prompt_ids, hf_
 def _count_c_kernel_calls(monkeypatch) -> dict[str, int]:
     """Calls of each CPU C kernel (ops/cpu) from now to the test's end: the ctypes function
     itself, so a fallback to the torch reference counts nothing."""
-    from bastion.ops.cpu import argmax, paged_attention, rotary
+    from bastion.ops.cpu import activation, argmax, paged_attention, rms_norm, rotary
 
     counts = {}
-    for module in (paged_attention, rotary, argmax):
+    for module in (paged_attention, rotary, argmax, rms_norm, activation):
         name = module.__name__.rsplit(".", 1)[-1]
         counts[name] = 0
 
@@ -91,13 +91,16 @@ def _count_c_kernel_calls(monkeypatch) -> dict[str, int]:
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="no C compiler: the CPU path has only its torch references")
 def test_greedy_parity_through_the_cpu_c_kernels(llm, prompt_ids, hf_greedy, monkeypatch):
-    """The default CPU path: decode attention, rotary + KV store and greedy argmax in C."""
+    """The default CPU path: decode attention, rotary + KV store, RMSNorm, SiLU-and-mul and
+    greedy argmax in C."""
     monkeypatch.delenv("BASTION_CPU_KERNELS", raising=False)
     calls = _count_c_kernel_calls(monkeypatch)
     assert greedy_ids(llm, prompt_ids) == hf_greedy
     # 30 layers: attention and rotary once a layer a step, argmax once a step.
     assert calls["argmax"] >= 31 and calls["rotary"] >= 30 * 32, calls
     assert calls["paged_attention"] >= 30 * 31, calls
+    # Two norms a layer and the final one; one activation a layer.
+    assert calls["rms_norm"] >= 61 * 32 and calls["activation"] >= 30 * 32, calls
 
 
 def test_greedy_parity_through_the_torch_references(llm, prompt_ids, hf_greedy, monkeypatch):
@@ -105,7 +108,8 @@ def test_greedy_parity_through_the_torch_references(llm, prompt_ids, hf_greedy, 
     monkeypatch.setenv("BASTION_CPU_KERNELS", "0")
     calls = _count_c_kernel_calls(monkeypatch)
     assert greedy_ids(llm, prompt_ids) == hf_greedy
-    assert calls == {"paged_attention": 0, "rotary": 0, "argmax": 0}
+    assert calls == {"paged_attention": 0, "rotary": 0, "argmax": 0, "rms_norm": 0,
+                     "activation": 0}
 
 
 def test_batching_does_not_change_outputs(llm, prompt_ids, hf_greedy):

@@ -23,6 +23,7 @@ from bastion.core.models.layers.quantization import (
     Int8WeightOnlyMethod,
     cpu_has_bf16_kernels,
 )
+from bastion.ops.cpu import quant_gemv
 from tests.test_model_parity import PagedDriver
 
 N, K = 16, 512
@@ -64,12 +65,15 @@ def test_int4_decode_is_gguf_dequantize_bit_for_bit(type_name: str) -> None:
 
 def _identity_product(method: Int4WeightOnlyMethod | Int8WeightOnlyMethod) -> torch.Tensor:
     """The weight as each path multiplies by it: ``eye(K) @ W^T`` reads every weight once,
-    times 1, through the weight-only kernel (4 rows at a time) and the dense GEMM (all K rows);
-    the two must agree exactly."""
+    times 1, through the decode kernel (4 rows at a time) and the dense GEMM (all K rows).
+    The dense path's weight is the decode kernel's rounded to bfloat16: torch's weight-only
+    kernels round their output to bfloat16 (the two agree exactly), the C int8 kernel
+    (ops/cpu/quant_gemv.c) returns float32."""
     eye = torch.eye(K)
     kernel = torch.cat([method.apply(nn.Module(), eye[i : i + 4]) for i in range(0, K, 4)])
     assert 4 < DENSE_MIN_ROWS <= K
-    torch.testing.assert_close(method.apply(nn.Module(), eye), kernel, rtol=0, atol=0)
+    dense = method.apply(nn.Module(), eye)
+    torch.testing.assert_close(dense, kernel.to(torch.bfloat16).float(), rtol=0, atol=0)
     return kernel.t()
 
 
@@ -91,16 +95,40 @@ def test_int4_kernel_multiplies_by_the_gguf_weights(type_name: str) -> None:
     assert ((got - gguf).abs() <= group_range * 2**-7).all()
 
 
+@pytest.mark.parametrize("kernel", ["C", "torch"])
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
-def test_int8_requantization_error_is_half_a_row_step(type_name: str) -> None:
+def test_int8_requantization_error_is_half_a_row_step(type_name: str, kernel: str,
+                                                      monkeypatch) -> None:
     weight = _gguf_weight(_blocks(type_name))
     q, scale = requantize_int8(weight)
     assert np.abs(weight - q * scale[:, None]).max() <= 0.5 * scale.max() * (1 + 1e-6)
     method = Int8WeightOnlyMethod(torch.from_numpy(q), torch.from_numpy(scale))
+    if kernel == "torch":
+        monkeypatch.setenv("BASTION_CPU_KERNELS", "0")
+    elif not quant_gemv.can_run(torch.ones(1, K)):
+        pytest.skip("the C int8 kernel needs a C compiler and AVX-512")
     got = _identity_product(method)
-    bf16_scale = method.scales.float()[:, None]
-    expected = (torch.from_numpy(q).float() * bf16_scale).to(torch.bfloat16).float()
+    # q * scale is exact in float32 (7-bit code times an 8-bit mantissa): the C kernel returns
+    # it as is, torch's kernel rounded to bfloat16.
+    expected = torch.from_numpy(q).float() * method.scales.float()[:, None]
+    if kernel == "torch":
+        expected = expected.to(torch.bfloat16).float()
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_int8_c_kernel_matches_float64_on_decode_rows() -> None:
+    """Every row count the C kernel takes (1-8; 8 itself goes to the dense GEMM in a layer),
+    a width that is not a multiple of its 64-column step, against a float64 product."""
+    if not quant_gemv.can_run(torch.ones(1, 96)):
+        pytest.skip("the C int8 kernel needs a C compiler and AVX-512")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (37, 96), dtype=torch.int8, generator=gen)
+    scales = (torch.rand(37, generator=gen) * 0.01).to(torch.bfloat16)
+    exact = q.double() * scales.double()[:, None]
+    for rows in range(1, quant_gemv.MAX_ROWS + 1):
+        x = torch.randn(rows, 96, generator=gen)
+        got = quant_gemv.q8_gemv(x, q, scales)
+        torch.testing.assert_close(got.double(), x.double() @ exact.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_quantization_choice_follows_dtype_and_device(embedded_gguf_path: str) -> None:

@@ -62,11 +62,17 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "rotary": ("-ffp-contract=off",),
     # No -ffast-math: it would fold the NaN tests away.
     "argmax": (),
+    # Intrinsics; no reassociation, so an input of one 1.0 yields each weight exactly.
+    "quant_gemv": (),
+    # No contraction: the residual sum and the scaling round as torch's ops do.
+    "rms_norm": ("-ffp-contract=off",),
+    # exp becomes glibc's vector expf (as in paged_attention).
+    "activation": ("-ffast-math",),
 }
 
 # The kernels that take the model's activations: float32 only, the other dtypes keep the
 # reference (argmax reads the logits, float32 in every model).
-_ACTIVATION_KERNELS = ("paged_attention", "rotary")
+_ACTIVATION_KERNELS = ("paged_attention", "rotary", "quant_gemv", "rms_norm", "activation")
 
 # Why a kernel is not built, by name (for the start-up line).
 _unavailable: dict[str, str] = {}
