@@ -29,9 +29,9 @@ import json
 import tempfile
 import time
 
-from bastion.procs.llm import LLM
 from bastion.core.scheduler import _SpecStats
 from bastion.ipc.messages import SamplingParams
+from bastion.procs.llm import LLM
 
 PASSAGES = [
     ("The river rose slowly through the night, and by morning the lower streets of the town were "
