@@ -402,16 +402,13 @@ class EngineConfig:
             # expert collectives pair up), which a step queue that drains at different times
             # would break.
             return "a coupled (expert-parallel) DP group steps in lockstep"
-        if self.speculative is not None and self.speculative.method == "draft_model":
-            return ("speculative decoding with a draft model runs synchronously (its lookahead "
-                    "KV slots are not reserved ahead of a step in flight yet)")
         return None
 
     @property
     def is_async_spec(self) -> bool:
-        """ngram speculation under async scheduling: the scheduler reserves each decode row's
-        draft slots ahead (placeholders) and the worker, which holds the accepted tokens,
-        drafts and fills them itself."""
+        """Speculation (ngram or a draft model) under async scheduling: the scheduler reserves
+        each decode row's draft slots (placeholders) and a draft model's lookahead slots ahead,
+        and the worker, which holds the accepted tokens, drafts and fills them itself."""
         return (self.speculative is not None and self.scheduler.async_scheduling
                 and self.async_scheduling_off_reason() is None)
 

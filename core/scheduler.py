@@ -367,13 +367,18 @@ class Scheduler:
         NOTE: the drafts are the worker's, proposed right after the step still in flight for
         this request (if any), so their number is not known here: as many slots as the token
         budget, ``k`` and the length limit allow are reserved, and the worker fills as many as
-        it has drafts for. The length limit counts every in-flight placeholder as emitted, so
-        no slot lies past it whatever that step accepts.
+        it has drafts for and its exact length limit allows. The limit here counts the step in
+        flight as emitting only its one sampled token (it may accept none of its drafts), so
+        the worker always has as many slots as a synchronous step would give it drafts: the
+        same drafts are verified either way, and a seeded request draws the same random numbers
+        (its tokens do not depend on async scheduling). Slots the worker leaves empty are given
+        back at the fold like rejected drafts.
         """
         num_known = request.num_tokens + request.num_output_placeholders
         if num_new != 1 or request.num_computed_tokens != num_known - 1:
             return []  # not a plain decode row (a prefill chunk)
-        room = min(budget - 1, request.max_num_tokens - num_known - 1, self.num_spec_tokens)
+        num_fewest = request.num_tokens + (1 if request.num_output_placeholders else 0)
+        room = min(budget - 1, request.max_num_tokens - num_fewest - 1, self.num_spec_tokens)
         return [-1] * max(room, 0)
 
     @staticmethod
@@ -494,8 +499,13 @@ class Scheduler:
                 self._remove(request)
                 continue
             if num_rejected > 0 and is_running:
-                # NOTE: blocks past the corrected count hold no slot of a step in flight either.
-                request.num_freed_blocks += self.kv.trim(request, request.num_computed_tokens)
+                # NOTE: blocks past the corrected count hold no slot of a step in flight either,
+                # but for a draft model's lookahead: that step's drafts are written past its
+                # tokens, so its lookahead slots stay with the request until it is folded too.
+                keep = request.num_computed_tokens
+                if request.num_output_placeholders:
+                    keep += self.num_lookahead_tokens
+                request.num_freed_blocks += self.kv.trim(request, keep)
             if not self.is_async_spec:
                 request.spec_token_ids = list(next_drafts[i]) if i < len(next_drafts) else []
 

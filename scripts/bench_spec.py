@@ -1,4 +1,4 @@
-"""Speculative decoding on the CPU: tokens/s with and without ngram drafting, same outputs.
+"""Speculative decoding on the CPU: tokens/s with and without drafting, same outputs.
 
 The workload asks the embedded SmolLM2-135M-Instruct to rewrite or continue passages it was
 given (the case prompt lookup is made for: the output repeats spans of the prompt), greedy, so
@@ -6,9 +6,16 @@ the speculative outputs must be token-identical to plain decoding; the script ch
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --batch-sizes 1 8
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --no-async-scheduling
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --method draft_model \
+        --draft-model tiny-random --num-speculative-tokens 3
 
 Both engines run with the same ``--[no-]async-scheduling`` (on by default, as the engine's
-default): with it on, the ngram engine's worker drafts into slots scheduled ahead.
+default): with it on, the speculating engine's worker drafts into slots scheduled ahead.
+
+``--method draft_model --draft-model embedded`` drafts with the embedded model itself (every
+greedy draft accepted: the cost of a draft model's steps at the best acceptance); ``tiny-random``
+builds a random 2-layer Llama with the embedded model's vocabulary in a temporary folder (its
+drafts are junk: the cost of drafting when nothing is accepted); anything else is a path.
 
 All eight prompts run at each batch size, ``batch_size`` at a time. Each configuration runs
 once to warm up and then ``--repeats`` times; the best run counts (other processes share a
@@ -19,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 
-from bastion.procs.llm import LLM
 from bastion.core.scheduler import _SpecStats
 from bastion.ipc.messages import SamplingParams
+from bastion.procs.llm import LLM
 
 PASSAGES = [
     ("The river rose slowly through the night, and by morning the lower streets of the town were "
@@ -78,6 +86,27 @@ def count_spec_stats() -> dict[str, int]:
     return totals
 
 
+def draft_model_path(name: str) -> str:
+    """``embedded``, ``tiny-random`` or a path (see the module docstring)."""
+    if name == "embedded":
+        from bastion.core.loader.embedded import embedded_gguf_path
+
+        return embedded_gguf_path()
+    if name != "tiny-random":
+        return name
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tempfile.mkdtemp(prefix="bench-spec-draft-")
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, initializer_range=0.1,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -92,11 +121,18 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=True, help="async scheduling for both engines (default: on)")
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft-model", default="embedded",
+                        help="with --method draft_model: embedded, tiny-random or a path")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = parser.parse_args()
-    spec_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                   "prompt_lookup_min": args.prompt_lookup_min,
-                   "prompt_lookup_max": args.prompt_lookup_max}
+    if args.method == "ngram":
+        spec_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                       "prompt_lookup_min": args.prompt_lookup_min,
+                       "prompt_lookup_max": args.prompt_lookup_max}
+    else:
+        spec_config = {"method": "draft_model", "model": draft_model_path(args.draft_model),
+                       "num_speculative_tokens": args.num_speculative_tokens}
     plain = LLM(dtype="float32", max_model_len=1024, async_scheduling=args.async_scheduling)
     spec = LLM(dtype="float32", max_model_len=1024, speculative_config=spec_config,
                async_scheduling=args.async_scheduling)
@@ -107,7 +143,7 @@ def main() -> None:
     for batch_size in args.batch_sizes:
         best = {}
         outs = {}
-        for name, llm in (("plain", plain), ("ngram", spec)):
+        for name, llm in (("plain", plain), ("spec", spec)):
             run(llm, 8, 8)  # warm-up
             times = []
             for _ in range(args.repeats):
@@ -119,19 +155,20 @@ def main() -> None:
         num_tokens = sum(len(t) for t in outs["plain"])
         rows.append({
             "batch": batch_size, "output_tokens": num_tokens,
-            "plain_tok_s": num_tokens / best["plain"], "ngram_tok_s": num_tokens / best["ngram"],
-            "speedup": best["plain"] / best["ngram"],
+            "plain_tok_s": num_tokens / best["plain"], "spec_tok_s": num_tokens / best["spec"],
+            "speedup": best["plain"] / best["spec"],
             "mean_acceptance_length": 1 + totals["accepted"] / max(totals["drafts"], 1),
             "draft_acceptance_rate": totals["accepted"] / max(totals["draft_tokens"], 1),
-            "identical": outs["plain"] == outs["ngram"],
-            "async_scheduling": args.async_scheduling,
+            "identical": outs["plain"] == outs["spec"],
+            "async_scheduling": args.async_scheduling, "method": args.method,
         })
-    print(f"async scheduling {'on' if args.async_scheduling else 'off'}")
-    print(f"{'batch':>5} {'tokens':>7} {'plain tok/s':>12} {'ngram tok/s':>12} {'speedup':>8} "
+    print(f"{args.method}, k={args.num_speculative_tokens}, async scheduling "
+          f"{'on' if args.async_scheduling else 'off'}")
+    print(f"{'batch':>5} {'tokens':>7} {'plain tok/s':>12} {'spec tok/s':>12} {'speedup':>8} "
           f"{'mean accept len':>16} {'draft accept':>13} {'identical':>10}")
     for r in rows:
         print(f"{r['batch']:>5} {r['output_tokens']:>7} {r['plain_tok_s']:>12.1f} "
-              f"{r['ngram_tok_s']:>12.1f} {r['speedup']:>7.2f}x "
+              f"{r['spec_tok_s']:>12.1f} {r['speedup']:>7.2f}x "
               f"{r['mean_acceptance_length']:>16.2f} {100 * r['draft_acceptance_rate']:>12.1f}% "
               f"{r['identical']!s:>10}")
     if args.json:

@@ -220,24 +220,56 @@ def test_async_speculation_schedules_ahead_and_corrects_by_the_rejected_drafts()
     assert (s.spec_stats.num_draft_tokens, s.spec_stats.num_accepted_tokens) == (9, 6)
 
 
-def test_async_speculation_slots_stop_at_the_length_limit_of_the_tokens_in_flight():
+def test_async_speculation_slots_leave_room_for_a_step_in_flight_that_accepts_nothing():
+    """Draft slots stop at the length limit as if the step in flight emitted only its sampled
+    token: the worker has as many slots as a synchronous step would have drafts (a seeded
+    request draws alike either way); slots its exact limit leaves empty are given back."""
     s = _async_scheduler(k=3)
     s.add_request(_request("a", 5, max_tokens=6))
     a = s.requests["a"]
     out1 = s.schedule()
-    out2 = s.schedule()  # one token in flight; five to go: room for 3 drafts and one more
+    out2 = s.schedule()  # one token in flight; five to go after it: room for 3 drafts
     assert out2.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
     _fold(s, out1, {"a": [7]}, {})
-    # Step 2 may emit four: then one is left, so step 3 gets no draft slot.
+    # Step 2 emits at least its sampled token, leaving at most four: 3 drafts and one more.
     out3 = s.schedule()
-    assert out3.num_scheduled_tokens == {"a": 1} and not out3.scheduled_spec_decode_tokens
-    _fold(s, out2, {"a": [8, 9, 9, 9]}, {"a": 3})
+    assert out3.num_scheduled_tokens == {"a": 4}
+    assert out3.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    _fold(s, out2, {"a": [8, 9, 9, 9]}, {"a": 3})  # it emitted four: one is left
     out4 = s.schedule()  # five tokens known and the sixth in flight: nothing to schedule
     assert not out4.num_scheduled_tokens
-    outputs = _fold(s, out3, {"a": [5]}, {})
+    # The worker filled none of step 3's slots (its exact limit) and sampled the last token.
+    outputs = _fold(s, out3, {"a": [5]}, {"a": 0})
     assert outputs[0].new_token_ids == [5] and outputs[0].finish_reason == FinishReason.LENGTH
     assert a.output_token_ids == [7, 8, 9, 9, 9, 5]
+    assert (s.spec_stats.num_draft_tokens, s.spec_stats.num_accepted_tokens) == (3, 3)
     assert s.kv.num_free_blocks == 16 and not s.has_unfinished_requests
+
+
+def test_async_draft_model_keeps_the_lookahead_of_the_step_in_flight():
+    """A draft model writes its next drafts' KV in lookahead slots past a step's tokens. A fold
+    that gives rejected slots back keeps those of the step still in flight (its worker drafts
+    into them after verifying); with no step in flight they go back too."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(block_size=4), 16, 64,
+                  num_spec_tokens=2, num_lookahead_tokens=2, is_async_spec=True)
+    s.add_request(_request("a", 6))
+    a = s.requests["a"]
+    out1 = s.schedule()  # the prefill and 2 lookahead slots: 8 tokens, blocks 0 and 1
+    assert s.kv.block_ids("a") == [0, 1]
+    out2 = s.schedule()  # 1 + 2 slots from position 6, then 2 lookahead: block 2
+    assert out2.num_scheduled_tokens == {"a": 3} and s.kv.block_ids("a") == [0, 1, 2]
+    _fold(s, out1, {"a": [10]}, {})
+    out3 = s.schedule()  # as if step 2's drafts were accepted: positions 9..11, then 12, 13
+    assert out3.cached_requests[0].new_block_ids == [3]
+    _fold(s, out2, {"a": [11, 20]}, {"a": 2})  # one of two accepted
+    # Step 3 runs from position 8 (token 20): 3 tokens, and its draft model may then write
+    # positions up to 12 (block 3) as it drafts.
+    assert a.num_computed_tokens == 11 and s.kv.block_ids("a") == [0, 1, 2, 3]
+    _fold(s, out3, {"a": [21, 30]}, {"a": 2})  # one of two accepted; nothing in flight
+    assert a.num_computed_tokens == 10 and s.kv.block_ids("a") == [0, 1, 2]
+    assert a.num_freed_blocks == 1
+    s.abort_requests(["a"])
+    assert s.kv.num_free_blocks == 16
 
 
 def test_async_speculation_a_row_preempted_with_a_step_in_flight_keeps_its_tokens():
@@ -474,7 +506,7 @@ def test_ngram_stops_and_logprobs_match_plain_decoding(plain_llm, ngram_llm, ngr
             assert a[token_id].rank == b[token_id].rank
 
 
-def test_ngram_seeded_sampling_is_reproducible(ngram_llm):
+def test_ngram_seeded_sampling_is_reproducible(ngram_llm, ngram_sync_llm):
     llm = ngram_llm
     totals = _count_spec(llm)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=20)
@@ -482,6 +514,13 @@ def test_ngram_seeded_sampling_is_reproducible(ngram_llm):
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
     assert first == again and all(len(t) == 20 for t in first)
     assert totals["draft_tokens"] > 0
+    # Async scheduling verifies the same drafts as a synchronous engine (the slots it reserves
+    # ahead leave room for them), so the seeds draw alike: the same tokens.
+    batch = [params, params] + [SamplingParams(temperature=1.0, seed=3, max_tokens=n)
+                                for n in (13, 9)]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, batch)]
+    assert got[:2] == first
+    assert [o.outputs[0].token_ids for o in ngram_sync_llm.generate(PROMPTS, batch)] == got
     # A seeded request's tokens do not depend on what else runs beside it.
     mixed = llm.generate(PROMPTS[2:] + PROMPTS[:1], [SamplingParams(
         temperature=0.0, max_tokens=20)] * 2 + [params])
@@ -542,28 +581,52 @@ def _draft_config(model: str, k: int = 3) -> dict:
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
 
 
-def test_draft_model_equal_to_the_target_has_every_draft_accepted(reference,
-                                                                  embedded_gguf_path):
+def _small_pool_llm(speculative_config: dict, is_async: bool, caplog):
+    """An LLM whose pool is too small for PROMPTS (forced preemption), with chunked prefills
+    and prefix caching on; async scheduling as asked, never turned off behind its back."""
     from bastion.procs.llm import LLM
 
-    # Chunked prefill and preemption too: the draft's KV rides on the target's blocks.
-    llm = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=8,
-              num_gpu_blocks_override=16, speculative_config=_draft_config(embedded_gguf_path))
+    with caplog.at_level(logging.INFO, logger="bastion.core.engine_core"):
+        llm = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=8,
+                  num_gpu_blocks_override=16, speculative_config=speculative_config,
+                  async_scheduling=is_async)
+    assert llm.engine.async_scheduling is is_async
+    assert llm.engine.executor.runner.is_async_spec is is_async
+    assert "async scheduling is off" not in caplog.text
+    return llm
+
+
+def _assert_all_blocks_free(llm) -> None:
+    """The draft's KV lives in the target's block ids, so the one pool counts both."""
+    kv = llm.engine.scheduler.kv
+    assert kv.num_free_blocks == llm.engine.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks) and not kv.req_blocks
+
+
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
+def test_draft_model_equal_to_the_target_has_every_draft_accepted(reference, embedded_gguf_path,
+                                                                  is_async, caplog):
+    # Prefix hits, chunked prefill and preemption too: the draft's KV rides on the target's
+    # blocks; under async scheduling its lookahead is reserved ahead of the step in flight.
+    llm = _small_pool_llm(_draft_config(embedded_gguf_path), is_async, caplog)
     totals = _count_spec(llm)
-    assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert outputs[1].num_cached_tokens > 0
     assert totals["preemptions"] > 0
     assert totals["accepted"] == totals["draft_tokens"] > 0
-    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+    _assert_all_blocks_free(llm)
 
 
 def test_draft_model_verify_steps_through_the_verify_graph_runner(reference,
                                                                   embedded_gguf_path):
     """The verify graphs' padded batch is what the draft model shadows for its KV: with the
-    target as its own draft, every draft is still accepted."""
+    target as its own draft, every draft is still accepted (async scheduling on)."""
     from bastion.procs.llm import LLM
 
     llm = LLM(dtype="float32", max_model_len=128, block_size=8,
               speculative_config=_draft_config(embedded_gguf_path))
+    assert llm.engine.async_scheduling
     runner = llm.engine.executor.runner
     runner.verify_graph_runner = runner.build_graph_runner(4)
     verify_calls: list[int] = []
@@ -571,28 +634,44 @@ def test_draft_model_verify_steps_through_the_verify_graph_runner(reference,
     totals = _count_spec(llm)
     assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
     assert verify_calls and totals["accepted"] == totals["draft_tokens"] > 0
-    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+    _assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
 def test_random_draft_model_is_almost_never_accepted_and_changes_nothing(reference,
                                                                          tiny_random_draft,
-                                                                         caplog):
+                                                                         is_async, caplog):
+    llm = _small_pool_llm(_draft_config(tiny_random_draft), is_async, caplog)
+    totals = _count_spec(llm)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert outputs[1].num_cached_tokens > 0 and totals["preemptions"] > 0
+    assert totals["draft_tokens"] > 0 and totals["accepted"] <= totals["draft_tokens"] // 10
+    _assert_all_blocks_free(llm)
+
+
+def test_draft_model_seeded_sampling_is_reproducible_and_the_same_async_or_not(
+        tiny_random_draft):
+    """Sampling with the random draft's probabilities (rejection sampling, mostly rejected):
+    a seeded request's tokens come from its seed alone, async scheduling on or off. Lengths
+    vary so that rows near their end (fewer drafts than k) are in the batch."""
     from bastion.procs.llm import LLM
 
-    with caplog.at_level(logging.INFO, logger="bastion.core.engine_core"):
+    params = [SamplingParams(temperature=1.0, seed=11 + i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate((12, 20, 17, 9))]
+    tokens = {}
+    for is_async in (True, False):
         llm = LLM(dtype="float32", max_model_len=256, speculative_config=_draft_config(
-            tiny_random_draft))
-    # Async scheduling was asked for (the default) and is off, with the reason in the log.
-    assert not llm.engine.async_scheduling
-    assert "async scheduling is off: speculative decoding with a draft model" in caplog.text
-    totals = _count_spec(llm)
-    assert [o.token_ids for o in _greedy(llm, PROMPTS)] == reference
-    assert totals["draft_tokens"] > 0 and totals["accepted"] <= totals["draft_tokens"] // 10
-    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
-    # Sampling with the random draft's probabilities: reproducible from the seed.
-    params = SamplingParams(temperature=1.0, seed=11, max_tokens=12)
-    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
-    assert first == [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+            tiny_random_draft), async_scheduling=is_async)
+        assert llm.engine.async_scheduling is is_async
+        totals = _count_spec(llm)
+        first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        if is_async:  # again, the same engine: the seeds, not the engine's state, decide
+            assert first == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert [len(t) for t in first] == [12, 20, 17, 9] and totals["draft_tokens"] > 0
+        _assert_all_blocks_free(llm)
+        tokens[is_async] = first
+    assert tokens[True] == tokens[False]
 
 
 def test_draft_model_with_another_vocabulary_fails_at_start_up(tmp_path):

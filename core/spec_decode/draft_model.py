@@ -6,6 +6,12 @@ draft KV is valid exactly when its target KV is (prefix-cache hits included), an
 with the request's blocks. After verification the draft proposes ``k`` tokens one position at a
 time from the request's last token; those writes land in the lookahead slots the scheduler
 allocated past the step's tokens and are scratch (the next shadow forward rewrites them).
+
+Under async scheduling the scheduler allocates a step's slots before it knows how many drafts
+the step in flight accepts, as if all were: the worker's real positions never lie past them,
+so its shadow and lookahead writes stay inside the request's blocks, and a fold that gives
+rejected slots back keeps the lookahead of the step still in flight (scheduler
+``_update_spec``).
 """
 
 from __future__ import annotations
