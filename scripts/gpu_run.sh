@@ -227,9 +227,9 @@ for s in $STAGES; do
     loralat) stage loralat 300 'SIDE_STREAM|latency|Error|error' -- bash -c \
       "for v in 1 0; do echo \"BASTION_LORA_SIDE_STREAM=\$v\"; BASTION_LORA_SIDE_STREAM=\$v \
       $PY scripts/bench_lora.py --device cuda --latency-only; done" ;;
-    structured) stage structured 300 'batch|overhead|^ *[0-9]|Error|error' -- \
+    structured) stage structured 300 'batch|overhead|^ *[0-9]|json|none|Error|error' -- \
       $PY scripts/bench_structured.py --device cuda --model $QWEN --load-format dummy \
-      --dtype bfloat16 --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ;;
+      --dtype bfloat16 --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ${STRUCT_ARGS:-} ;;
     structsim) stage structsim 200 'batch|overhead|^ *[0-9]|Error|error' -- \
       $PY scripts/bench_structured.py --simulate-device-ms 1.0 \
       --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ;;
