@@ -44,6 +44,11 @@ from bastion.procs.lifecycle import (
 
 logger = logging.getLogger(__name__)
 
+# How often a wait for the workers checks that they are alive: a worker's death is seen within
+# this (it was 0.5 s, about a quarter of the time a moved stream waited in the dense DP=2 drill);
+# a check is one waitpid per worker.
+WORKER_CHECK_INTERVAL_MS = 50
+
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, runtime_dir: str, engine_id: int,
@@ -107,7 +112,7 @@ class MultiprocExecutor:
     def _recv(self, timeout_s: float | None) -> tuple[MsgKind, object]:
         """Next worker message; raises if a worker died or ``timeout_s`` passed."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.outbox.poll(500):
+        while not self.outbox.poll(WORKER_CHECK_INTERVAL_MS):
             self.check_workers()
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerFailure(f"no answer from the workers of engine {self.engine_id} "
