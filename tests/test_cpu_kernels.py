@@ -453,6 +453,16 @@ def test_rms_norm_is_the_reference_up_to_an_ulp_alone_and_fused(num_rows: int) -
     torch.testing.assert_close(normed, ref_normed, rtol=3e-7, atol=0)
     assert not cpu_rms_norm.can_run(x.bfloat16(), weight.bfloat16())
     assert rms_norm(x[:0], weight, 1e-5).shape == (0, 576)
+    # Per-head norms (Qwen3's q/k norm) come as [T, H, D]; the fused form keeps the shape too.
+    heads = wide.view(num_rows, 16, 72)
+    torch.testing.assert_close(rms_norm(heads, weight[:72], 1e-5),
+                               rms_norm_ref(heads, weight[:72], 1e-5), rtol=3e-7, atol=0)
+    normed3, summed3 = fused_add_rms_norm(heads, heads * 0.5, weight[:72], 1e-5)
+    ref3 = fused_add_rms_norm_ref(heads, heads * 0.5, weight[:72], 1e-5)
+    assert summed3.shape == heads.shape and torch.equal(summed3, ref3[1])
+    # NOTE: at 72 wide the scale's float rounding (the kernel's 1/sqrtf against torch's rsqrt)
+    # shows as up to 3 ulps; the same before the launcher took 3-D rows without reshaping.
+    torch.testing.assert_close(normed3, ref3[0], rtol=4e-7, atol=0)
 
 
 @has_compiler
