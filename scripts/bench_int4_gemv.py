@@ -85,13 +85,12 @@ def main() -> None:
 
     kernel = quant_gemv4._bound()
     outs = {n: torch.empty(args.rows, n) for n, _ in SHAPES.values()}
-    raw_args = [(xs[k].data_ptr(), args.rows, k, packed.data_ptr(), packed.shape[0], k,
-                 outs[packed.shape[0]].data_ptr(), packed.shape[0], args.threads)
-                for _, packed, k in layers]
 
-    def mine_kernel() -> None:  # the ctypes call alone
-        for a in raw_args:
-            kernel(*a)
+    def raw_calls(levels: int):  # the ctypes call alone
+        calls = [(xs[k].data_ptr(), args.rows, k, packed.data_ptr(), packed.shape[0], k, levels,
+                  outs[packed.shape[0]].data_ptr(), packed.shape[0], args.threads)
+                 for _, packed, k in layers]
+        return lambda: [kernel(*a) for a in calls]
 
     bandwidth = _read_bandwidth()
     print(f"{args.rows} row(s), {args.threads} thread(s), 120 matmuls; read bandwidth "
@@ -100,7 +99,8 @@ def main() -> None:
     runs = [("torch int4 (as the method: casts)", torch_method, torch_bytes),
             ("torch int4 kernel alone (bf16 in)", torch_kernel, torch_bytes),
             ("quant_gemv4.c (as the method)", mine_method, mine_bytes),
-            ("quant_gemv4.c alone (ctypes call)", mine_kernel, mine_bytes)]
+            ("quant_gemv4.c alone, int16 x", raw_calls(2), mine_bytes),
+            ("quant_gemv4.c alone, int8 x", raw_calls(1), mine_bytes)]
     times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in runs}
     for _ in range(args.repeats):  # interleaved, so that load changes hit every path alike
         for name, fn, _ in runs:

@@ -15,10 +15,12 @@ from bastion.ops.cpu import cpu_kernel, is_enabled
 
 MAX_ROWS = 8  # Q4_MAX_ROWS in the C file
 GROUP = 32
+LEVEL_TOPS = {1: 127.0, 2: 127.0 * 256}  # the largest |xq| of a group, by levels
 _LANES = 16  # groups a block of the layout
+_MAX_LANES_PER_ROW = 8  # MAX_LANES_PER_ROW in the C file
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = (_P, _I64, _I64, _P, _I64, _I64, _P, _I64, ctypes.c_int)
+_ARGTYPES = (_P, _I64, _I64, _P, _I64, _I64, ctypes.c_int, _P, _I64, ctypes.c_int)
 
 
 def _kernel() -> Callable[..., int] | None:
@@ -50,35 +52,54 @@ def can_run(x: torch.Tensor) -> bool:
             and 1 <= x.numel() // k <= MAX_ROWS and _kernel() is not None)
 
 
+def lanes_per_row(k: int) -> int:
+    """The lanes of a 16-lane block one output row takes: the largest power of two <= 8 that
+    divides the row's K / 32 groups (``q4_lanes_per_row`` in the C file); a tile is 16 / that
+    many output rows, and N must be a multiple of it."""
+    lanes = _MAX_LANES_PER_ROW
+    while (k // GROUP) % lanes:
+        lanes //= 2
+    return lanes
+
+
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """``codes`` [N, K] in 0..15, ``scale`` and ``zero`` [N, K / 32] (rounded to bfloat16) ->
-    the kernel's layout, uint8 [N, 20 * K / 32] (quant_gemv4.c's header): per block of up to 16
-    groups, code byte ``4 T i + 4 l + b`` = code ``8 i + b`` of group l | code ``8 i + 4 + b``
-    << 4, then the T scales and T zeros as bfloat16 bits."""
+    the kernel's layout (quant_gemv4.c's header), uint8 [N, 20 K / 32]: tiles of R = 16 / L
+    output rows, each G / L blocks of 4 x 64 code bytes (byte ``64 i + 4 (r L + l) + b`` = code
+    ``8 i + b`` | code ``8 i + 4 + b`` << 4 of group ``b L + l`` of row r), 16 bfloat16 scales
+    and 16 bfloat16 zeros in the same lane order."""
     n, k = codes.shape
     if k % GROUP or scale.shape != (n, k // GROUP) or zero.shape != scale.shape:
         raise ValueError(f"int4 packing needs K a multiple of {GROUP} and one scale and zero per "
                          f"group; got codes {tuple(codes.shape)}, scales {tuple(scale.shape)}")
-    num_groups = k // GROUP
-    # [N, G, i, half, b]: code 8 i + 4 half + b of each group.
-    c = codes.to(torch.uint8).reshape(n, num_groups, 4, 2, 4)
-    pairs = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [N, G, i, b]
-    bits = lambda t: t.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, num_groups, 2)
-    s, z = bits(scale), bits(zero)
-    parts = []
-    for g0 in range(0, num_groups, _LANES):
-        g1 = min(g0 + _LANES, num_groups)
-        parts += [pairs[:, g0:g1].permute(0, 2, 1, 3).reshape(n, -1),  # [N, i, l, b]
-                  s[:, g0:g1].reshape(n, -1), z[:, g0:g1].reshape(n, -1)]
-    return torch.cat(parts, dim=1).contiguous()
+    lanes = lanes_per_row(k)
+    rows = _LANES // lanes
+    if n % rows:
+        raise ValueError(f"int4 packing of K={k} ({k // GROUP} groups) takes tiles of {rows} "
+                         f"rows: N must be a multiple of {rows}; got {n}")
+    num_groups, num_tiles, num_blocks = k // GROUP, n // rows, k // GROUP // lanes
+    # [tile, r, block, l, i, half, b]: code 8 i + 4 half + b of group (block, l) of row r.
+    c = codes.to(torch.uint8).reshape(num_tiles, rows, num_blocks, lanes, 4, 2, 4)
+    pairs = c[..., 0, :] | (c[..., 1, :] << 4)  # [tile, r, block, l, i, b]
+    code_bytes = pairs.permute(0, 2, 4, 1, 3, 5).reshape(num_tiles, num_blocks, 256)
+
+    def lane_bits(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [tile, block, 32] bytes
+        t = t.to(torch.bfloat16).reshape(num_tiles, rows, num_blocks, lanes).permute(0, 2, 1, 3)
+        return t.contiguous().view(torch.uint8).reshape(num_tiles, num_blocks, 2 * _LANES)
+
+    packed = torch.cat([code_bytes, lane_bits(scale), lane_bits(zero)], dim=-1)
+    return packed.reshape(n, 20 * num_groups).contiguous()
 
 
-def q4_gemv(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
+def q4_gemv(x: torch.Tensor, packed: torch.Tensor, k: int, levels: int = 2) -> torch.Tensor:
     """``x`` [M, K] float32 (rows of unit stride) times the ``pack_q4`` weight [N, 20 K / 32] ->
-    [M, N] float32, each row's activations quantized to int8 per 32 (``q4_gemv_ref``). Check
-    ``can_run`` first."""
+    [M, N] float32, each row's activations quantized per 32 (``q4_gemv_ref``): ``levels`` 1 to
+    int8 (llama.cpp's Q8 activations), 2 to 16-bit integers (``LEVEL_TOPS``) taken as two int8
+    digits, twice the dot products and far below bfloat16's rounding. Check ``can_run`` first."""
+    if levels not in LEVEL_TOPS:
+        raise ValueError(f"int4 GEMV levels must be 1 (int8 activations) or 2 (int16); got {levels}")
     m = x.shape[0]
-    if (x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != k or x.stride(1) != 1
+    if (packed.shape[0] % (_LANES // lanes_per_row(k)) or x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != k or x.stride(1) != 1
             or not 1 <= m <= MAX_ROWS or k % GROUP or packed.dtype != torch.uint8
             or packed.dim() != 2 or packed.shape[1] != 20 * (k // GROUP)
             or not packed.is_contiguous()):
@@ -93,30 +114,32 @@ def q4_gemv(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
     kernel = _bound()
     if kernel is None:
         raise RuntimeError("the C int4 kernel is not built (check can_run first)")
-    status = kernel(x.data_ptr(), m, x.stride(0), packed.data_ptr(), n, k, out.data_ptr(),
-                       n, torch.get_num_threads())
+    status = kernel(x.data_ptr(), m, x.stride(0), packed.data_ptr(), n, k, levels,
+                    out.data_ptr(), n, torch.get_num_threads())
     if status:
         raise MemoryError(f"int4 GEMV: no memory for {m} quantized rows of {k}")
     return out
 
 
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation quantization in float32: (int8 codes [M, K], scales d [M, K/32]),
-    ``d = max |x| / 127`` and ``xq = round(x * (127 / max |x|))`` per group, ties to even."""
+def quantize_rows_ref(x: torch.Tensor, levels: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization in float32: (integer codes [M, K] as int32, scales
+    d [M, K/32]), ``d = max |x| / top`` and ``xq = round(x * (top / max |x|))`` per group, ties
+    to even, ``top = LEVEL_TOPS[levels]``."""
+    top = LEVEL_TOPS[levels]
     groups = x.float().reshape(x.shape[0], -1, GROUP)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     safe = torch.where(amax == 0, torch.ones_like(amax), amax)
-    inv = torch.where(amax == 0, torch.zeros_like(amax), torch.full_like(amax, 127.0) / safe)
-    xq = torch.round(groups * inv).to(torch.int8).reshape(x.shape)
-    return xq, (amax / 127.0).squeeze(-1)
+    inv = torch.where(amax == 0, torch.zeros_like(amax), torch.full_like(amax, top) / safe)
+    xq = torch.round(groups * inv).to(torch.int32).reshape(x.shape)
+    return xq, (amax / top).squeeze(-1)
 
 
-def q4_gemv_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                zero: torch.Tensor) -> torch.Tensor:
+def q4_gemv_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                levels: int = 2) -> torch.Tensor:
     """The kernel's arithmetic in float64: ``sum_g (s d) * sum_k q xq + (z - 8 s) * sum_k x``
     with s, z the bfloat16-rounded scale and zero [N, K/32]; [M, N] float64."""
     m, k = x.shape
-    xq, d = quantize_rows_ref(x)
+    xq, d = quantize_rows_ref(x, levels)
     s, z = (t.to(torch.bfloat16).double() for t in (scale, zero))
     dots = torch.einsum("mgk,ngk->mng", xq.double().reshape(m, -1, GROUP),
                         codes.double().reshape(codes.shape[0], -1, GROUP))
