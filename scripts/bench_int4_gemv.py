@@ -8,6 +8,11 @@ over the measured read bandwidth (the floor).
 
 Prints the median and best over ``--repeats`` tokens of wall and thread CPU time (a shared
 machine deschedules the process; CPU time is what the code itself costs).
+
+``--model``: the same A/B on the embedded model instead, in one process: the offline ``LLM``
+(bastion's CPU default), 128 greedy tokens after one 64-token prompt, the C int4 kernel's
+``can_run`` switched off and on in turn; tok/s over the wall and over the thread CPU time of each
+``generate`` (the model runs on the calling thread), median and best.
 """
 
 from __future__ import annotations
@@ -45,12 +50,49 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
+def model_ab(threads: int, repeats: int, new_tokens: int = 128) -> None:
+    import random
+
+    from bastion.ipc.messages import SamplingParams
+    from bastion.procs.llm import LLM
+
+    llm = LLM(max_model_len=512, cpu_threads=threads, enable_prefix_caching=False)
+    rng = random.Random(0)
+    prompt = [{"prompt_token_ids": [rng.randint(1000, 40000) for _ in range(64)]}]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    can_run = quant_gemv4.can_run
+    paths = {"torch int4 (bf16 casts)": lambda x: False, "quant_gemv4.c": can_run}
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            quant_gemv4.can_run = fn
+            wall, cpu = time.perf_counter(), time.thread_time()
+            out = llm.generate(prompt, params, use_tqdm=False)
+            times[name].append((time.perf_counter() - wall, time.thread_time() - cpu))
+            tokens[name] = out[0].outputs[0].token_ids
+    quant_gemv4.can_run = can_run
+    print(f"embedded model, batch 1, {threads} thread(s), {new_tokens} tokens (prefill included)")
+    for name, runs in times.items():
+        wall = [new_tokens / t[0] for t in runs]
+        cpu = [new_tokens / t[1] for t in runs]
+        print(f"{name:<26} tok/s wall {statistics.median(wall):6.1f} (best {max(wall):6.1f})  "
+              f"CPU time {statistics.median(cpu):6.1f} (best {max(cpu):6.1f})")
+    same = sum(a == b for a, b in zip(*tokens.values()))
+    print(f"same greedy tokens both ways: {same} of {new_tokens}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--model", action="store_true")
     args = parser.parse_args()
+    if args.model:
+        return model_ab(args.threads, args.repeats)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     layers = []
