@@ -490,13 +490,15 @@ def _int4_term_magnitudes(codes: torch.Tensor, scale: torch.Tensor,
 
 
 def _decode_rows(rows: int, k: int, seed: int) -> torch.Tensor:
-    """Rows with a spread of magnitudes, one all-zero group (d = 0) and one group whose values
-    are all but one tiny (the int8 digits' whole range), as views of a wider tensor."""
+    """Rows with a spread of magnitudes, one all-zero group (d = 0), one group whose values are
+    all but one tiny (the int8 digits' whole range) and one of 3e-37, as views of a wider
+    tensor."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k + 7, generator=g)[:, 3 : 3 + k] * torch.logspace(-2, 1, k)
     x[:, 32:64] = 0
     x[:, 64:96] = 1e-4
     x[:, 64] = 30
+    x[:, 96:128] = 3e-37  # 32512 / max |x| would overflow: quantized to 0, summed exactly
     return x
 
 

@@ -2,13 +2,17 @@
  * ``out [M, N] = x [M, K] @ W^T`` for M <= Q4_MAX_ROWS float32 rows, where every 32 input
  * features of an output row share ``w = (q - 8) * s + z`` (q in 0..15, s and z bfloat16).
  *
- * Each activation row is first quantized per group of 32: ``d = max |x| / 127``,
- * ``xq = round(x * (127 / max |x|))`` (int8, ties to even), and ``xs`` = the float32 sum of the
+ * Each activation row is first quantized per group of 32: ``d = max |x| / top``,
+ * ``xq = round(x * (top / max |x|))`` (ties to even), and ``xs`` = the float32 sum of the
  * group's x. A group's dot is then
  *     sum_k w_k x_k = s * sum_k q_k x_k + (z - 8 s) * sum_k x_k
  *                  ~ (s d) * sum_k q_k xq_k + (z - 8 s) * xs,
  * the first sum exact in int32 by ``vpdpbusd`` (unsigned codes times signed int8, four products a
- * lane), the second exact but for the float32 sum: only x's rounding to int8 changes the result.
+ * lane), the second exact but for the float32 sum: only x's rounding to xq changes the result.
+ * ``levels`` 1 is llama.cpp's int8 (top = 127); 2 (the default) takes top = 127 * 256 and
+ * writes xq as two int8 digits, ``256 hi + lo``, for twice the vpdpbusd: int8 activations moved
+ * the embedded model's decode logprobs 3.5x as much as torch's bfloat16 casts, past
+ * tests/test_quantized.py's bound; 16-bit ones are below bfloat16's rounding.
  *
  * Float32 FMAs over the codes (or AVX512-BF16 dot products) were compute-bound at 2x torch's
  * time (docs/BENCHMARKS.md); here 64 products cost one instruction, so the weights' bytes set
@@ -45,6 +49,7 @@
  * (16 lanes a row, the sums of one row a tile measured 20-30 % slower at K = 512). */
 #define MAX_LANES_PER_ROW 8
 #define BLOCK_BYTES 320     /* 20 a group: 16 of codes, 2 of scale, 2 of zero */
+#define Q4_TINY 1e-30f       /* groups with max |x| at most this quantize to 0 */
 #define PREFETCH_BYTES 4096 /* ahead in the weight stream (1024: 20 % slower a token) */
 
 int q4_gemv_is_vectorized(void) {
@@ -57,9 +62,9 @@ int q4_gemv_is_vectorized(void) {
 
 #ifdef Q4_VNNI
 
-/* One activation row's quantized form, per block: 8 vectors of 64 int8 (vector j, lane l:
- * codes 4j .. 4j + 3 of group l) for the high digit, 8 for the low one, then 16 scales d and
- * 16 sums xs (zeros past the last group). */
+/* One activation row's quantized form, per block b: 8 vectors of 64 int8 (vector j, lane
+ * r L + l: xq 4j .. 4j + 3 of group b L + l, the same for every r) for the high digit, 8 for the
+ * low one (levels 2), then the 16 lanes' scales d and sums xs. */
 typedef struct {
     int8_t hi[8][64];
     int8_t lo[8][64];
@@ -81,7 +86,10 @@ static void quantize_row(const float *x, int64_t num_groups, int lanes_per_row, 
         const __m512 b = _mm512_loadu_ps(x + g * GROUP + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         blk->xs[l] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-        if (amax == 0.0f) continue;  /* d = 0, xq = 0 (memset) */
+        /* d = 0, xq = 0 (memset) for a group of zeros, and for one so small that top / amax
+         * would overflow (its products are below 1e-28: the xs term keeps its sum). A NaN takes
+         * this branch too, and reaches the output through xs. */
+        if (!(amax > Q4_TINY)) continue;
         blk->d[l] = amax / top;
         const __m512 inv = _mm512_set1_ps(top / amax);
         /* cvtps rounds to nearest even (the default MXCSR mode); |x * inv| <= top. */

@@ -15,6 +15,7 @@ from bastion.ops.cpu import cpu_kernel, is_enabled
 
 MAX_ROWS = 8  # Q4_MAX_ROWS in the C file
 GROUP = 32
+_TINY = 1e-30  # Q4_TINY in the C file
 LEVEL_TOPS = {1: 127.0, 2: 127.0 * 256}  # the largest |xq| of a group, by levels
 _LANES = 16  # groups a block of the layout
 _MAX_LANES_PER_ROW = 8  # MAX_LANES_PER_ROW in the C file
@@ -124,14 +125,14 @@ def q4_gemv(x: torch.Tensor, packed: torch.Tensor, k: int, levels: int = 2) -> t
 def quantize_rows_ref(x: torch.Tensor, levels: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activation quantization in float32: (integer codes [M, K] as int32, scales
     d [M, K/32]), ``d = max |x| / top`` and ``xq = round(x * (top / max |x|))`` per group, ties
-    to even, ``top = LEVEL_TOPS[levels]``."""
+    to even, ``top = LEVEL_TOPS[levels]``; a group with max |x| <= 1e-30 quantizes to 0."""
     top = LEVEL_TOPS[levels]
     groups = x.float().reshape(x.shape[0], -1, GROUP)
     amax = groups.abs().amax(dim=-1, keepdim=True)
-    safe = torch.where(amax == 0, torch.ones_like(amax), amax)
-    inv = torch.where(amax == 0, torch.zeros_like(amax), torch.full_like(amax, top) / safe)
+    zero = amax <= _TINY  # all zeros, or too small for top / max |x| (Q4_TINY in the C file)
+    inv = torch.where(zero, 0.0, torch.full_like(amax, top) / torch.where(zero, 1.0, amax))
     xq = torch.round(groups * inv).to(torch.int32).reshape(x.shape)
-    return xq, (amax / top).squeeze(-1)
+    return xq, torch.where(zero, 0.0, amax / top).squeeze(-1)
 
 
 def q4_gemv_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
