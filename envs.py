@@ -63,8 +63,8 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_CPU_INT4_LEVELS": EnvVar(
         2, _levels, "the C int4 decode kernel's activations (ops/cpu/quant_gemv4.c), read when "
         "a layer is built: 2 quantizes them to 16-bit integers per 32 (below bfloat16's "
-        "rounding), 1 to int8 (llama.cpp's scheme; faster, but the embedded model's greedy "
-        "agreement with float32 falls below tests/test_quantized.py's bound)"),
+        "rounding), 1 to int8 (llama.cpp's scheme; faster, but the embedded model's decode "
+        "logprobs then move past tests/test_quantized.py's bound)"),
     "BASTION_LORA_SIDE_STREAM": EnvVar(
         True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
         "in captured graphs (core/lora/layers.py)"),

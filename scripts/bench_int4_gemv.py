@@ -22,7 +22,6 @@ import statistics
 import time
 
 import torch
-
 from torch import nn
 
 from bastion.core.models.layers.quantization import (

@@ -28,9 +28,8 @@ from bastion.ops.attention import paged_attention, paged_attention_ref
 from bastion.ops.activation import silu_and_mul, silu_and_mul_ref
 from bastion.ops.cpu import activation as cpu_activation
 from bastion.ops.cpu import argmax as cpu_argmax
-from bastion.ops.cpu import load_cpu_kernel
+from bastion.ops.cpu import load_cpu_kernel, quant_gemv4
 from bastion.ops.cpu import paged_attention as cpu_attention
-from bastion.ops.cpu import quant_gemv4
 from bastion.ops.cpu import rms_norm as cpu_rms_norm
 from bastion.ops.cpu import rotary as cpu_rotary
 from bastion.ops.cpu.argmax import argmax_rows

@@ -1,7 +1,8 @@
 """The launcher of ``quant_gemv4.c``: decode rows (at most ``MAX_ROWS``) of float32 activations
 times int4 weights in groups of 32 with a bfloat16 (scale, zero) per group, the activations
-quantized to int8 per group (llama.cpp's scheme); ``pack_q4`` builds the kernel's weight layout
-and ``q4_gemv_ref`` is the same arithmetic in float64 (tests)."""
+quantized per group inside the kernel (llama.cpp's scheme; 16-bit integers by default, int8 at
+``levels=1``); ``pack_q4`` builds the kernel's weight layout and ``q4_gemv_ref`` is the same
+arithmetic in float64 (tests)."""
 
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def q4_gemv_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero:
                 levels: int = 2) -> torch.Tensor:
     """The kernel's arithmetic in float64: ``sum_g (s d) * sum_k q xq + (z - 8 s) * sum_k x``
     with s, z the bfloat16-rounded scale and zero [N, K/32]; [M, N] float64."""
-    m, k = x.shape
+    m = x.shape[0]
     xq, d = quantize_rows_ref(x, levels)
     s, z = (t.to(torch.bfloat16).double() for t in (scale, zero))
     dots = torch.einsum("mgk,ngk->mng", xq.double().reshape(m, -1, GROUP),

@@ -17,9 +17,11 @@ kernels require them in the activations' dtype.
 Float32 decode rows of the int8 method take the C kernel of ``ops/cpu/quant_gemv.c`` instead
 when it is built (AVX-512): float32 activations, no casts, and 2-3x faster than torch's kernel
 on SmolLM2's LM head at one row (docs/BENCHMARKS.md). Those of the int4 method take
-``ops/cpu/quant_gemv4.c`` (AVX-512 VNNI): float32 in and out, the activations quantized to int8
-per 32 inside the kernel (llama.cpp's scheme: an accuracy change, measured in
-tests/test_quantized.py), the weights in its own layout built here at load.
+``ops/cpu/quant_gemv4.c`` (AVX-512 VNNI, llama.cpp's scheme): float32 in and out, the
+activations quantized per 32 inside the kernel, to 16-bit integers by default (below bfloat16's
+rounding: the embedded model's logprobs move as little as with torch's bfloat16 casts,
+tests/test_quantized.py) or to int8 (``BASTION_CPU_INT4_LEVELS=1``), the weights in its own
+layout, built here at load.
 """
 
 from __future__ import annotations
