@@ -12,7 +12,8 @@ machine deschedules the process; CPU time is what the code itself costs).
 ``--model``: the same A/B on the embedded model instead, in one process: the offline ``LLM``
 (bastion's CPU default), 128 greedy tokens after one 64-token prompt, the C int4 kernel's
 ``can_run`` switched off and on in turn; tok/s over the wall and over the thread CPU time of each
-``generate`` (the model runs on the calling thread), median and best.
+``generate`` (the model runs on the calling thread), median and best, and the thread CPU time
+spent inside the int4 layers' ``apply`` (casts and launcher included) a token.
 """
 
 from __future__ import annotations
@@ -64,21 +65,37 @@ def model_ab(threads: int, repeats: int, new_tokens: int = 128) -> None:
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+    inside: dict[str, list[float]] = {name: [] for name in paths}  # in the int4 layers
     tokens: dict[str, list[int]] = {}
+    apply = Int4WeightOnlyMethod.apply
+    spent = [0.0]
+
+    def timed_apply(self, layer, x, bias=None):
+        start = time.thread_time()
+        try:
+            return apply(self, layer, x, bias)
+        finally:
+            spent[0] += time.thread_time() - start
+
+    Int4WeightOnlyMethod.apply = timed_apply
     for _ in range(repeats):
         for name, fn in paths.items():
             quant_gemv4.can_run = fn
+            spent[0] = 0.0
             wall, cpu = time.perf_counter(), time.thread_time()
             out = llm.generate(prompt, params, use_tqdm=False)
             times[name].append((time.perf_counter() - wall, time.thread_time() - cpu))
+            inside[name].append(spent[0])
             tokens[name] = out[0].outputs[0].token_ids
-    quant_gemv4.can_run = can_run
+    quant_gemv4.can_run, Int4WeightOnlyMethod.apply = can_run, apply
     print(f"embedded model, batch 1, {threads} thread(s), {new_tokens} tokens (prefill included)")
     for name, runs in times.items():
         wall = [new_tokens / t[0] for t in runs]
         cpu = [new_tokens / t[1] for t in runs]
+        int4 = statistics.median(inside[name]) / new_tokens * 1e3
         print(f"{name:<26} tok/s wall {statistics.median(wall):6.1f} (best {max(wall):6.1f})  "
-              f"CPU time {statistics.median(cpu):6.1f} (best {max(cpu):6.1f})")
+              f"CPU time {statistics.median(cpu):6.1f} (best {max(cpu):6.1f})  "
+              f"int4 layers {int4:5.2f} ms a token (CPU time, prefill included)")
     same = sum(a == b for a, b in zip(*tokens.values()))
     print(f"same greedy tokens both ways: {same} of {new_tokens}")
 
