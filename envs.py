@@ -26,6 +26,12 @@ def _flag(value: str) -> bool:
     return value == "1"
 
 
+def _levels(value: str) -> int:
+    if value not in ("1", "2"):
+        raise ValueError("must be 1 (int8) or 2 (16-bit)")
+    return int(value)
+
+
 def _text(value: str) -> str:
     return value.strip()
 
@@ -54,6 +60,11 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_CPU_KERNELS": EnvVar(
         True, _flag, "0: the CPU path runs the torch references instead of its C kernels "
         "(ops/cpu: decode attention, rotary + KV store, greedy argmax)"),
+    "BASTION_CPU_INT4_LEVELS": EnvVar(
+        2, _levels, "the C int4 decode kernel's activations (ops/cpu/quant_gemv4.c), read when "
+        "a layer is built: 2 quantizes them to 16-bit integers per 32 (below bfloat16's "
+        "rounding), 1 to int8 (llama.cpp's scheme; faster, but the embedded model's decode "
+        "logprobs then move past tests/test_quantized.py's bound)"),
     "BASTION_LORA_SIDE_STREAM": EnvVar(
         True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
         "in captured graphs (core/lora/layers.py)"),

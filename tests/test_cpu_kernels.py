@@ -28,7 +28,7 @@ from bastion.ops.attention import paged_attention, paged_attention_ref
 from bastion.ops.activation import silu_and_mul, silu_and_mul_ref
 from bastion.ops.cpu import activation as cpu_activation
 from bastion.ops.cpu import argmax as cpu_argmax
-from bastion.ops.cpu import load_cpu_kernel
+from bastion.ops.cpu import load_cpu_kernel, quant_gemv4
 from bastion.ops.cpu import paged_attention as cpu_attention
 from bastion.ops.cpu import rms_norm as cpu_rms_norm
 from bastion.ops.cpu import rotary as cpu_rotary
@@ -107,13 +107,13 @@ def _decode_step(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_di
 def test_every_kernel_builds_and_the_start_up_line_names_them() -> None:
     assert all(load_cpu_kernel(name) is not None for name in cpu.KERNELS)
     line = cpu.describe_cpu_path(torch.float32)
-    assert line.startswith("C kernels paged_attention, rotary, argmax, quant_gemv, rms_norm, "
-                           f"activation (OpenMP, {torch.get_num_threads()} threads;"), line
+    assert line.startswith("C kernels paged_attention, rotary, argmax, quant_gemv, quant_gemv4, "
+                           f"rms_norm, activation (OpenMP, {torch.get_num_threads()} threads;"), line
     assert "torch references" not in line
     line = cpu.describe_cpu_path(torch.bfloat16)
     assert line.startswith("C kernels argmax (OpenMP"), line
-    assert line.endswith("; torch references for paged_attention, rotary, quant_gemv, rms_norm, "
-                         "activation (bfloat16 activations)")
+    assert line.endswith("; torch references for paged_attention, rotary, quant_gemv, "
+                         "quant_gemv4, rms_norm, activation (bfloat16 activations)")
 
 
 @has_compiler
@@ -476,3 +476,121 @@ def test_silu_and_mul_is_the_reference_within_float32_rounding(num_rows: int) ->
     strided = x[:, : 2 * 512]
     torch.testing.assert_close(silu_and_mul(strided), silu_and_mul_ref(strided), rtol=2e-6,
                                atol=1e-7)
+
+
+# ------------------------------------------------------------------------- int4 x float32 rows
+
+
+def _int4_weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15 and bfloat16 scales and zeros of both signs (Q4_1-like ranges)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).to(torch.bfloat16)
+    zero = ((torch.rand(n, k // 32, generator=g) - 0.5) * 0.1).to(torch.bfloat16)
+    return codes, scale, zero
+
+
+def _int4_term_magnitudes(codes: torch.Tensor, scale: torch.Tensor,
+                          zero: torch.Tensor) -> torch.Tensor:
+    """``|s| q + |z - 8 s|`` [N, K]: what each x_k is multiplied by in the kernel's two terms
+    (the scale of their float32 rounding; ``|w|`` itself can be far smaller)."""
+    s, z = (t.double().repeat_interleave(32, 1) for t in (scale, zero))
+    return s.abs() * codes.double() + (z - 8 * s).abs()
+
+
+def _decode_rows(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Rows with a spread of magnitudes, one all-zero group (d = 0), one group whose values are
+    all but one tiny (the int8 digits' whole range) and one of 3e-37, as views of a wider
+    tensor."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k + 7, generator=g)[:, 3 : 3 + k] * torch.logspace(-2, 1, k)
+    x[:, 32:64] = 0
+    x[:, 64:96] = 1e-4
+    x[:, 64] = 30
+    x[:, 96:128] = 3e-37  # 32512 / max |x| would overflow: quantized to 0, summed exactly
+    return x
+
+
+@has_compiler
+@pytest.mark.parametrize("levels", [2, 1])
+@pytest.mark.parametrize("k", [96, 576, 608, 1536])  # 3, 18, 19 and 48 groups: tiles of 16, 8, 16, 2
+def test_int4_gemv_is_its_quantized_math_in_float64(k: int, levels: int) -> None:
+    """Every row count the kernel takes (1-8), against ``q4_gemv_ref``: the same activation
+    quantization (float32 steps, ties to even) and then exact sums. What is left is float32
+    rounding of the kernel's sums: bounded by 2^-22 of the sum of its terms' magnitudes."""
+    if not quant_gemv4.can_run(torch.ones(1, k)):
+        pytest.skip("the C int4 kernel needs AVX-512 VNNI")
+    n = 48
+    codes, scale, zero = _int4_weights(n, k, seed=k)
+    packed = quant_gemv4.pack_q4(codes, scale, zero)
+    assert packed.shape == (n, 20 * k // 32)
+    magnitudes = _int4_term_magnitudes(codes, scale, zero)
+    for rows in range(1, quant_gemv4.MAX_ROWS + 1):
+        x = _decode_rows(rows, k, seed=rows)
+        got = quant_gemv4.q4_gemv(x, packed, k, levels).double()
+        ref = quant_gemv4.q4_gemv_ref(x, codes, scale, zero, levels)
+        bound = x.double().abs() @ magnitudes.t() * 2**-22
+        assert ((got - ref).abs() <= bound).all(), (rows, (got - ref).abs().max())
+
+
+@has_compiler
+@pytest.mark.parametrize("levels", [2, 1])
+def test_int4_gemv_is_the_dequantized_product_within_the_activations_rounding(
+        levels: int) -> None:
+    """Against ``x @ W^T`` in float64 with the dequantized weight: the zero term uses the
+    exact sum of x, so the only error is ``s sum q (x - d xq)``, at most half a step d of each
+    group's activations times ``|s| sum q``, plus float32 rounding."""
+    k, n = 576, 64
+    if not quant_gemv4.can_run(torch.ones(1, k)):
+        pytest.skip("the C int4 kernel needs AVX-512 VNNI")
+    codes, scale, zero = _int4_weights(n, k, seed=1)
+    packed = quant_gemv4.pack_q4(codes, scale, zero)
+    s, z = (t.double().repeat_interleave(32, 1) for t in (scale, zero))
+    weight = (codes.double() - 8) * s + z
+    x = _decode_rows(7, k, seed=2)
+    got = quant_gemv4.q4_gemv(x, packed, k, levels).double()
+    exact = x.double() @ weight.t()
+    _, d = quant_gemv4.quantize_rows_ref(x, levels)
+    step = d.double().repeat_interleave(32, 1)  # [M, K]
+    bound = 0.5 * (1 + 1e-6) * step @ (s.abs() * codes.double()).t()
+    bound += x.double().abs() @ _int4_term_magnitudes(codes, scale, zero).t() * 2**-20
+    assert ((got - exact).abs() <= bound).all()
+    # 16-bit activations are 256 times finer than int8 ones: the error shrinks with them.
+    assert (got - exact).abs().max() < (2e-4 if levels == 2 else 3e-2) * exact.abs().max()
+
+
+@has_compiler
+def test_int4_gemv_refuses_what_it_does_not_take() -> None:
+    if not quant_gemv4.can_run(torch.ones(1, 96)):
+        pytest.skip("the C int4 kernel needs AVX-512 VNNI")
+    codes, scale, zero = _int4_weights(48, 96, seed=0)
+    packed = quant_gemv4.pack_q4(codes, scale, zero)
+    for bad in (torch.ones(9, 96), torch.ones(1, 64), torch.ones(2, 192)[:, ::2],
+                torch.ones(1, 96, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="int4 GEMV takes"):
+            quant_gemv4.q4_gemv(bad, packed, 96)
+    with pytest.raises(ValueError, match="levels must be 1"):
+        quant_gemv4.q4_gemv(torch.ones(1, 96), packed, 96, levels=3)
+    with pytest.raises(ValueError, match="N must be a multiple of 16"):
+        quant_gemv4.pack_q4(codes[:40], scale[:40], zero[:40])  # 3 groups: tiles of 16 rows
+    assert not quant_gemv4.can_run(torch.ones(8 + 1, 96))
+    assert not quant_gemv4.can_run(torch.ones(1, 96, dtype=torch.bfloat16))
+
+
+@has_compiler
+def test_int4_gemv_is_the_same_on_one_thread_and_two() -> None:
+    """The tiles split over threads; each output's sums are one thread's, in one order."""
+    k = 576
+    if not quant_gemv4.can_run(torch.ones(1, k)):
+        pytest.skip("the C int4 kernel needs AVX-512 VNNI")
+    packed = quant_gemv4.pack_q4(*_int4_weights(96, k, seed=3))
+    x = _decode_rows(3, k, seed=4)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_gemv4.q4_gemv(x, packed, k)
+        torch.set_num_threads(2)
+        two = quant_gemv4.q4_gemv(x, packed, k)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)

@@ -64,6 +64,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "argmax": (),
     # Intrinsics; no reassociation, so an input of one 1.0 yields each weight exactly.
     "quant_gemv": (),
+    # Intrinsics (AVX-512 VNNI); no reassociation of the float32 sums.
+    "quant_gemv4": (),
     # No contraction: the residual sum and the scaling round as torch's ops do.
     "rms_norm": ("-ffp-contract=off",),
     # exp becomes glibc's vector expf (as in paged_attention).
@@ -72,7 +74,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
 
 # The kernels that take the model's activations: float32 only, the other dtypes keep the
 # reference (argmax reads the logits, float32 in every model).
-_ACTIVATION_KERNELS = ("paged_attention", "rotary", "quant_gemv", "rms_norm", "activation")
+_ACTIVATION_KERNELS = ("paged_attention", "rotary", "quant_gemv", "quant_gemv4", "rms_norm",
+                       "activation")
 
 # Why a kernel is not built, by name (for the start-up line).
 _unavailable: dict[str, str] = {}

@@ -16,7 +16,12 @@ kernels require them in the activations' dtype.
 
 Float32 decode rows of the int8 method take the C kernel of ``ops/cpu/quant_gemv.c`` instead
 when it is built (AVX-512): float32 activations, no casts, and 2-3x faster than torch's kernel
-on SmolLM2's LM head at one row (docs/BENCHMARKS.md).
+on SmolLM2's LM head at one row (docs/BENCHMARKS.md). Those of the int4 method take
+``ops/cpu/quant_gemv4.c`` (AVX-512 VNNI, llama.cpp's scheme): float32 in and out, the
+activations quantized per 32 inside the kernel, to 16-bit integers by default (below bfloat16's
+rounding: the embedded model's logprobs move as little as with torch's bfloat16 casts,
+tests/test_quantized.py) or to int8 (``BASTION_CPU_INT4_LEVELS=1``), the weights in its own
+layout, built here at load.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from bastion.ops.cpu import quant_gemv
+from bastion import envs
+from bastion.ops.cpu import quant_gemv, quant_gemv4
 from bastion.ops.linear import linear
 from torch import nn
 
@@ -112,10 +118,28 @@ class Int4WeightOnlyMethod(_WeightOnlyMethod):
             codes.to(torch.int32).contiguous(), _INNER_K_TILES
         )  # [N, K / 2] uint8 in torch's own CPU layout
         scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+        # The C decode kernel's layout (20 bytes a group), only where that kernel is built.
+        self.q4 = quant_gemv4.pack_q4(codes, scale, zero) if quant_gemv4.is_available() else None
+        self.q4_levels = envs.get("BASTION_CPU_INT4_LEVELS")  # read once: 120 calls a token
         self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
         # The kernel's own arithmetic: float32 from the bfloat16 scale and zero, rounded once.
         expand = lambda t: t.float().repeat_interleave(INT4_GROUP_SIZE, dim=1)
         self.dense = ((codes.float() - 8) * expand(scale) + expand(zero)).to(torch.bfloat16)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        k = x.shape[-1]
+        if self.q4 is not None and x.numel() < DENSE_MIN_ROWS * k and quant_gemv4.can_run(x):
+            # NOTE: 120 calls a token at batch 1: a 2-D input (the decode rows) skips the
+            # reshape and view, ~2 us each on a loaded machine.
+            rows = x if x.dim() == 2 else x.reshape(-1, k)
+            y = quant_gemv4.q4_gemv(rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                    self.q4, k, self.q4_levels)
+            if x.dim() != 2:
+                y = y.view(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias
+        return super().apply(layer, x, bias)
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
