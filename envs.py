@@ -59,7 +59,8 @@ VARIABLES: dict[str, EnvVar] = {
         True, _flag, "0: a mixed batch's decode rows run in the prefill attention launch"),
     "BASTION_CPU_KERNELS": EnvVar(
         True, _flag, "0: the CPU path runs the torch references instead of its C kernels "
-        "(ops/cpu: decode attention, rotary + KV store, greedy argmax)"),
+        "(ops/cpu: decode attention, rotary + KV store, greedy argmax, the int8 and int4 decode "
+        "matmuls, RMSNorm, SiLU-and-mul)"),
     "BASTION_CPU_INT4_LEVELS": EnvVar(
         2, _levels, "the C int4 decode kernel's activations (ops/cpu/quant_gemv4.c), read when "
         "a layer is built: 2 quantizes them to 16-bit integers per 32 (below bfloat16's "

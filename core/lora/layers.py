@@ -64,8 +64,9 @@ class LoRAState:
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.is_active = False
         # NOTE: one scratch for every layer: a layer's expand has read and zeroed it before the
-        # next layer's shrink adds into it (the side stream waits for the main one first). Zero between calls, persistent, so
-        # captured graphs use it in place; so are the counters.
+        # next layer's shrink adds into it (the side stream waits for the main one first).
+        # Zero between calls, persistent, so captured graphs use it in place; so are the
+        # counters.
         self.scratch = torch.zeros(max_tokens * max_width, dtype=torch.float32, device=device)
         self.tile_counts = torch.zeros(
             max_loras, max_row_tiles(max_tokens), dtype=torch.int32, device=device
