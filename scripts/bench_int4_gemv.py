@@ -141,7 +141,7 @@ def main() -> None:
         for method, _, k in layers:
             method.apply(module, xs[k])
 
-    kernel = quant_gemv4._bound()
+    kernel = quant_gemv4._kernel()
     outs = {n: torch.empty(args.rows, n) for n, _ in SHAPES.values()}
 
     def raw_calls(levels: int):  # the ctypes call alone

@@ -55,7 +55,7 @@ def fresh_builds():
     """Forget which compiler and libraries this process found, before and after the test (a
     test that changes $CC, $PATH or the cache folder must not leave its answer behind)."""
     def forget() -> None:
-        for cached in (cpu._compiler, cpu._load, cpu._bind):
+        for cached in (cpu._compiler, cpu._load, cpu._bind, cpu.bind_vectorized):
             cached.cache_clear()
         cpu._unavailable.clear()
 

@@ -95,6 +95,24 @@ def cpu_kernel(name: str, symbol: str, argtypes: Sequence[Any],
     return _bind(name, symbol, tuple(argtypes), restype)
 
 
+def vectorized_kernel(name: str, symbol: str, argtypes: Sequence[Any], restype: Any,
+                      probe: str) -> Callable[..., Any] | None:
+    """``cpu_kernel`` for a kernel whose library also exports ``probe`` (``int probe(void)``),
+    nonzero when it was built with the vector instructions it needs; None when not (its scalar
+    fallback, or no loop at all, would be slower than torch's own kernel)."""
+    return bind_vectorized(name, symbol, tuple(argtypes), restype, probe) if is_enabled() else None
+
+
+@functools.cache
+def bind_vectorized(name: str, symbol: str, argtypes: tuple[Any, ...], restype: Any,
+                    probe: str) -> Callable[..., Any] | None:
+    """``vectorized_kernel`` without reading ``BASTION_CPU_KERNELS``: for a launcher whose
+    caller has just checked it (a microsecond a call, at 120 calls a token)."""
+    fn = _bind(name, symbol, argtypes, restype)
+    check = _bind(name, probe, (), ctypes.c_int)
+    return fn if fn is not None and check is not None and check() else None
+
+
 @functools.cache
 def _bind(name: str, symbol: str, argtypes: tuple[Any, ...],
           restype: Any) -> Callable[..., Any] | None:

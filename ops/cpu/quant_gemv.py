@@ -4,12 +4,11 @@ times int8 weights with one bfloat16 scale per output row (a GGUF LM head kept q
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
-from bastion.ops.cpu import cpu_kernel
+from bastion.ops.cpu import vectorized_kernel
 
 MAX_ROWS = 8  # QGEMV_MAX_ROWS in the C file
 
@@ -18,15 +17,9 @@ _ARGTYPES = (_P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, ctypes.c_int)
 
 
 def _kernel() -> Callable[..., int] | None:
-    kernel = cpu_kernel("quant_gemv", "q8_gemv_f32", _ARGTYPES, ctypes.c_int)
-    return kernel if kernel is not None and _is_vectorized() else None
-
-
-@functools.cache
-def _is_vectorized() -> bool:
-    """Built with AVX-512: its scalar fallback is slower than torch's own kernel."""
-    probe = cpu_kernel("quant_gemv", "q8_gemv_is_vectorized", (), ctypes.c_int)
-    return probe is not None and bool(probe())
+    """Built with AVX-512 only: its scalar fallback is slower than torch's own kernel."""
+    return vectorized_kernel("quant_gemv", "q8_gemv_f32", _ARGTYPES, ctypes.c_int,
+                             "q8_gemv_is_vectorized")
 
 
 def can_run(x: torch.Tensor) -> bool:

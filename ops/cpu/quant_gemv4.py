@@ -7,12 +7,11 @@ arithmetic in float64 (tests)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
-from bastion.ops.cpu import cpu_kernel, is_enabled
+from bastion.ops.cpu import bind_vectorized, vectorized_kernel
 
 MAX_ROWS = 8  # Q4_MAX_ROWS in the C file
 GROUP = 32
@@ -23,22 +22,14 @@ _MAX_LANES_PER_ROW = 8  # MAX_LANES_PER_ROW in the C file
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = (_P, _I64, _I64, _P, _I64, _I64, ctypes.c_int, _P, _I64, ctypes.c_int)
+# Built without AVX-512 VNNI the library has no loop at all (a scalar one would be slower than
+# torch's kernel): the probe says so.
+_KERNEL = ("quant_gemv4", "q4_gemv_f32", _ARGTYPES, ctypes.c_int, "q4_gemv_is_vectorized")
 
 
 def _kernel() -> Callable[..., int] | None:
-    # NOTE: called 120 times a token (every int4 layer of SmolLM2): the switch is read at every
-    # call, the binding once; cpu_kernel's own lookups cost a microsecond or two a call.
-    return _bound() if is_enabled() else None
-
-
-@functools.cache
-def _bound() -> Callable[..., int] | None:
-    """The vectorized kernel, or None (asked only while the C kernels are on)."""
-    kernel = cpu_kernel("quant_gemv4", "q4_gemv_f32", _ARGTYPES, ctypes.c_int)
-    probe = cpu_kernel("quant_gemv4", "q4_gemv_is_vectorized", (), ctypes.c_int)
-    # Built without AVX-512 VNNI the library has no loop at all (a scalar one would be slower
-    # than torch's kernel).
-    return kernel if kernel is not None and probe is not None and probe() else None
+    # NOTE: called 120 times a token (every int4 layer of SmolLM2).
+    return vectorized_kernel(*_KERNEL)
 
 
 def is_available() -> bool:
@@ -113,7 +104,7 @@ def q4_gemv(x: torch.Tensor, packed: torch.Tensor, k: int, levels: int = 2) -> t
     n = packed.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     # can_run has read the switch: the binding alone here (reading the environment costs ~1 us).
-    kernel = _bound()
+    kernel = bind_vectorized(*_KERNEL)
     if kernel is None:
         raise RuntimeError("the C int4 kernel is not built (check can_run first)")
     status = kernel(x.data_ptr(), m, x.stride(0), packed.data_ptr(), n, k, levels,
