@@ -24,8 +24,8 @@ import torch
 from bastion.core.forward_context import build_attention_metadata
 from bastion.ops import attention as attention_ops
 from bastion.ops import cpu
-from bastion.ops.attention import paged_attention, paged_attention_ref
 from bastion.ops.activation import silu_and_mul, silu_and_mul_ref
+from bastion.ops.attention import paged_attention, paged_attention_ref
 from bastion.ops.cpu import activation as cpu_activation
 from bastion.ops.cpu import argmax as cpu_argmax
 from bastion.ops.cpu import load_cpu_kernel, quant_gemv4
