@@ -91,10 +91,24 @@ class _WeightOnlyMethod:
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _decode_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """``rows`` [M, K] (fewer than ``DENSE_MIN_ROWS``) through the format's C decode kernel,
+        float32 in and out, or None where it does not run (then torch's kernel does)."""
+        return None
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        k = x.shape[-1]
+        if x.numel() < DENSE_MIN_ROWS * k:
+            # NOTE: 120 int4 calls a token at batch 1: a 2-D input (the decode rows) skips the
+            # reshape and view, ~2 us each on a loaded machine.
+            y = self._decode_rows(x if x.dim() == 2 else x.reshape(-1, k))
+            if y is not None:
+                if x.dim() != 2:
+                    y = y.view(*x.shape[:-1], self.out_features)
+                return y if bias is None else y + bias
+        rows = x.reshape(-1, k).to(torch.bfloat16)
         y = F.linear(rows, self.dense) if rows.shape[0] >= DENSE_MIN_ROWS else self._mm(rows)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if bias is None else y + bias
@@ -126,20 +140,11 @@ class Int4WeightOnlyMethod(_WeightOnlyMethod):
         expand = lambda t: t.float().repeat_interleave(INT4_GROUP_SIZE, dim=1)
         self.dense = ((codes.float() - 8) * expand(scale) + expand(zero)).to(torch.bfloat16)
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        k = x.shape[-1]
-        if self.q4 is not None and x.numel() < DENSE_MIN_ROWS * k and quant_gemv4.can_run(x):
-            # NOTE: 120 calls a token at batch 1: a 2-D input (the decode rows) skips the
-            # reshape and view, ~2 us each on a loaded machine.
-            rows = x if x.dim() == 2 else x.reshape(-1, k)
-            y = quant_gemv4.q4_gemv(rows if rows.stride(-1) == 1 else rows.contiguous(),
-                                    self.q4, k, self.q4_levels)
-            if x.dim() != 2:
-                y = y.view(*x.shape[:-1], self.out_features)
-            return y if bias is None else y + bias
-        return super().apply(layer, x, bias)
+    def _decode_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if self.q4 is None or not quant_gemv4.can_run(rows):
+            return None
+        return quant_gemv4.q4_gemv(rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                   self.q4, rows.shape[1], self.q4_levels)
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -160,17 +165,11 @@ class Int8WeightOnlyMethod(_WeightOnlyMethod):
         self.out_features = weight.shape[0]
         self.dense = (self.weight.float() * self.scales.float()[:, None]).to(torch.bfloat16)
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if x.shape[-1] == self.weight.shape[1] and x.numel() < DENSE_MIN_ROWS * x.shape[-1] \
-                and quant_gemv.can_run(x):
-            rows = x.reshape(-1, x.shape[-1])
-            y = quant_gemv.q8_gemv(rows if rows.stride(-1) == 1 else rows.contiguous(),
-                                   self.weight, self.scales)
-            y = y.view(*x.shape[:-1], self.out_features)
-            return y if bias is None else y + bias
-        return super().apply(layer, x, bias)
+    def _decode_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if rows.shape[1] != self.weight.shape[1] or not quant_gemv.can_run(rows):
+            return None
+        return quant_gemv.q8_gemv(rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                  self.weight, self.scales)
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
