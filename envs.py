@@ -69,6 +69,10 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_LORA_SIDE_STREAM": EnvVar(
         True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
         "in captured graphs (core/lora/layers.py)"),
+    "BASTION_PDL": EnvVar(
+        True, _flag, "0: the decode step's Triton kernels (norms, matrix-vector products, "
+        "rotary, attention, MoE routing and experts) launch without programmatic dependent "
+        "launch (ops/triton/pdl.py)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

@@ -16,7 +16,6 @@ kernel has ended. ``precompile_lora`` builds every variant a step can pick at st
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -62,12 +61,6 @@ class ExpandConfig(NamedTuple):
     num_warps: int
     num_stages: int
     pdl: bool = True
-
-
-@functools.cache
-def supports_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can start while the kernel before them drains (sm90 on)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 # Decode batches are latency-bound (a rank-16 adapter is ~4 MB a layer, read in microseconds):

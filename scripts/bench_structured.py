@@ -31,10 +31,16 @@ token its bitmask allows. It shows whether a step waits for its bitmask fill or 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import cProfile
 import json
+import pstats
 import random
 import statistics
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -185,9 +191,12 @@ class HostTimes:
 
     PARTS = ("schedule", "launch", "start fill", "wait fill", "sample", "wait tokens", "fold",
              "other")
+    # Inside the parts above (a worker in this process): the decode graph's staging and
+    # replay, the LM head, the sampling of a step and the bitmask's application.
+    INNER = ("graph run", "logits", "sample step", "apply mask")
 
     def __init__(self) -> None:
-        self.step: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
+        self.step: dict[str, float] = dict.fromkeys(self.PARTS + self.INNER, 0.0)
         self.steps: list[dict[str, float]] = []
 
     def wrap(self, owner: object, name: str, part: str) -> None:
@@ -209,13 +218,14 @@ class HostTimes:
 
     def end_step(self, counted: bool, wall_s: float) -> None:
         if counted:
-            self.step["other"] = wall_s - sum(self.step.values())
+            self.step["other"] = wall_s - sum(self.step[p] for p in self.PARTS)
             self.steps.append(self.step)
-        self.step = dict.fromkeys(self.PARTS, 0.0)
+        self.step = dict.fromkeys(self.PARTS + self.INNER, 0.0)
 
     def medians_ms(self) -> dict[str, float]:
         steps = self.steps[2:] or self.steps
-        return {part: 1e3 * statistics.median(s[part] for s in steps) for part in self.PARTS}
+        return {part: 1e3 * statistics.median(s[part] for s in steps)
+                for part in self.PARTS + self.INNER}
 
 
 def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
@@ -228,6 +238,16 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
         host.wrap(engine.scheduler, "update_from_output", "fold")
         host.wrap(engine.executor, "sample_tokens", "sample")
         host.wrap(engine, "_start_fill", "start fill")
+        runner = getattr(engine.executor, "runner", None)  # a worker in this process
+        inner = []
+        if runner is not None:
+            inner = [(runner, "_sample_step"), (runner.model, "compute_logits"),
+                     (runner._bitmask, "apply")]
+            inner += [(g, "run") for g in {id(g): g for g in (runner.graph_runner,
+                      getattr(runner, "base_graph_runner", None)) if g is not None}.values()]
+            for (owner, name), part in zip(inner, ("sample step", "logits", "apply mask")
+                                           + ("graph run",) * 2):
+                host.wrap(owner, name, part)
         launch = engine.executor.execute_model_async
 
         def timed_launch(sched: SchedulerOutput):
@@ -283,6 +303,8 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
         host.unwrap(engine.scheduler, ["schedule", "update_from_output"])
         host.unwrap(engine.executor, ["sample_tokens", "execute_model_async"])
         host.unwrap(engine, ["_start_fill"])
+        for owner, name in inner:
+            host.unwrap(owner, [name])
     # The first steps of the batch are its prefill; the steady state is what is compared.
     return steps[2:], fills
 
@@ -307,6 +329,10 @@ def main() -> None:
                         "Qwen3-0.6B config's vocabulary, stand-in tokens)")
     p.add_argument("--breakdown", action="store_true",
                    help="also the engine thread's host time per step by part (median ms)")
+    p.add_argument("--cprofile", type=int, default=None, metavar="BATCH",
+                   help="profile the timed runs of this batch size with cProfile (and, on a "
+                        "GPU, torch's sync debug mode): the engine thread's top calls by own "
+                        "time, where a host wait for the device shows as a C call")
     args = p.parse_args()
     max_num_seqs = max(args.batch_sizes)
     if args.simulate_device_ms is not None:
@@ -337,7 +363,7 @@ def main() -> None:
         engine.structured_output.fill_in_background = args.fill_in_background == "yes"
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
-    rows, breakdowns = [], []
+    rows, breakdowns, profiles = [], [], []
     for batch in args.batch_sizes:
         medians = {}
         fill_ms = 0.0
@@ -345,8 +371,15 @@ def main() -> None:
             timed_batch(engine, eos_token_id, device, batch, prompt, 8, s,
                         f"warm-{name}-{batch}")
             host = HostTimes() if args.breakdown else None
-            steps, fills = timed_batch(engine, eos_token_id, device, batch, prompt,
-                                       args.max_tokens, s, f"{name}-{batch}", host)
+            profiler = (cProfile.Profile() if args.cprofile == batch else None)
+            with sync_debug(profiler is not None and device == "cuda"):
+                if profiler is not None:
+                    profiler.enable()
+                steps, fills = timed_batch(engine, eos_token_id, device, batch, prompt,
+                                           args.max_tokens, s, f"{name}-{batch}", host)
+                if profiler is not None:
+                    profiler.disable()
+                    profiles.append((batch, name, len(steps), profiler))
             medians[name] = statistics.median(steps) * 1e3
             if host is not None:
                 breakdowns.append((batch, name, host.medians_ms()))
@@ -361,11 +394,43 @@ def main() -> None:
         print(f"{batch:>5} | {none:>14.2f} | {js:>14.2f} | {fill_ms:>7.2f} | {pct:>+7.1f}%")
     if breakdowns:
         print("\nhost time per step on the engine's thread, median ms")
-        print(f"{'batch':>5} {'case':>5} | " + " | ".join(f"{p:>10}" for p in HostTimes.PARTS))
-        for batch, name, parts in breakdowns:
-            print(f"{batch:>5} {name:>5} | "
-                  + " | ".join(f"{parts[p]:>10.3f}" for p in HostTimes.PARTS))
+        for columns in (HostTimes.PARTS, HostTimes.INNER):
+            print(f"{'batch':>5} {'case':>5} | " + " | ".join(f"{p:>11}" for p in columns))
+            for batch, name, parts in breakdowns:
+                print(f"{batch:>5} {name:>5} | "
+                      + " | ".join(f"{parts[p]:>11.3f}" for p in columns))
+    for batch, name, num_steps, profiler in profiles:
+        print(f"\ncProfile, batch {batch} {name} ({num_steps} timed steps), top calls by own time")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
     shutdown()
+
+
+@contextlib.contextmanager
+def sync_debug(on: bool):
+    """torch's CUDA sync debug mode: each call that makes the host wait for the device (an
+    ``item()``, a blocking copy) warns; the distinct call sites are printed, counted."""
+    if not on:
+        yield
+        return
+    sites: collections.Counter = collections.Counter()
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "bastion" in f.filename]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:][::-1])
+              or f"{filename}:{lineno}"] += 1
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = shown
+        print("synchronizing CUDA calls:", dict(sites.most_common(8)) or "none")
 
 
 if __name__ == "__main__":

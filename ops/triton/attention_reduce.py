@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+
 
 @triton.jit
 def merge_splits(part_out_ptr, part_ml_ptr, first, row_ok, offs_d, ROWS: tl.constexpr,
@@ -55,7 +57,9 @@ def _merge_attention_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -93,9 +97,10 @@ def merge_attention_splits_triton(
         raise ValueError("partials must be float32 with a padded head dim >= head dim")
     if num_tokens == 0:
         return
+    pdl = use_pdl(out.device)
     _merge_attention_splits_kernel[(num_tokens, num_heads)](
         out, part_out, part_ml, query_start_loc, num_seqs, num_heads,
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-        num_warps=4 if head_pad >= 128 else 2,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, USE_PDL=pdl,
+        num_warps=4 if head_pad >= 128 else 2, launch_pdl=pdl,
     )  # fmt: skip

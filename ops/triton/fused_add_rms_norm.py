@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+
 
 class AddRMSNormOutput(NamedTuple):
     out: torch.Tensor
@@ -26,10 +28,13 @@ def _fused_add_rms_norm_kernel(
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
     # NOTE: the sum is rounded to the activation dtype before the norm, exactly as the
@@ -38,7 +43,6 @@ def _fused_add_rms_norm_kernel(
     tl.store(new_res_ptr + row * HIDDEN + offs, s, mask=mask)
     s = s.to(tl.float32)
     var = tl.sum(s * s, axis=0) / HIDDEN
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = s * tl.math.rsqrt(var + eps) * w
     tl.store(out_ptr + row * HIDDEN + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -63,8 +67,10 @@ def fused_add_rms_norm_triton(
     if num_tokens == 0:
         return AddRMSNormOutput(out, new_residual)
     block = triton.next_power_of_2(hidden)
+    pdl = use_pdl(x.device)
     _fused_add_rms_norm_kernel[(num_tokens,)](
         out, new_residual, x, residual, weight, x.stride(0), residual.stride(0), eps,
-        HIDDEN=hidden, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HIDDEN=hidden, BLOCK=block, USE_PDL=pdl, num_warps=min(16, max(1, block // 256)),
+        launch_pdl=pdl,
     )  # fmt: skip
     return AddRMSNormOutput(out, new_residual)

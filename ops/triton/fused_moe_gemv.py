@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+
 
 @triton.jit
 def _moe_gemv_up_kernel(
@@ -43,7 +45,9 @@ def _moe_gemv_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)  # the routing's ids
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
     if (expert < 0) | (expert >= num_local):
@@ -95,6 +99,7 @@ def _moe_gemv_down_kernel(
     BLOCK_TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # The token's k experts form the leading dim of one [k, BLOCK_N, BLOCK_K] tile, so every
     # step of the K loop has all k experts' loads in flight at once (a loop over the experts
@@ -114,14 +119,21 @@ def _moe_gemv_down_kernel(
     w_ptrs = (w2_ptr + expert[:, None, None] * stride_we
               + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :])
     a_ptrs = act_ptr + pair[:, None] * stride_act + offs_k[None, :]
-    acc = tl.zeros((BLOCK_TOPK, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # The routing (two kernels back) has ended once the up kernel lets this one launch
+    # (ops/triton/pdl.py): the ids and the first K step's weights are read before the wait
+    # for the up kernel's products.
+    k_ok = offs_k[None, :] < k_end[:, None]
+    w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0)
+    wait_for_previous(USE_PDL)
+    a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32) * weight[:, None]
+    acc = w.to(tl.float32) * a[:, None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
         k_ok = offs_k[None, :] < (k_end - k)[:, None]
         a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32) * weight[:, None]
         w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0)
         acc += w.to(tl.float32) * a[:, None, :]
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + token * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -149,14 +161,16 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         return out
     act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
     up, down = config["up"], config["down"]
+    pdl = use_pdl(hidden.device)
     _moe_gemv_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_SIZE_N"]))](
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
-        BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], num_warps=up["num_warps"],
-        num_stages=up["num_stages"])
+        BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl,
+        num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=pdl)
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
-        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
-        num_warps=down["num_warps"], num_stages=down["num_stages"])
+        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down["BLOCK_SIZE_N"],
+        BLOCK_K=down["BLOCK_SIZE_K"], USE_PDL=pdl, num_warps=down["num_warps"],
+        num_stages=down["num_stages"], launch_pdl=pdl)
     return out

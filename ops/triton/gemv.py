@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+
 
 @triton.jit
 def _gemv_kernel(
@@ -32,6 +34,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -40,8 +43,21 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # The first K step is peeled: its weights are read before the wait for the kernel that
+    # writes x (ops/triton/pdl.py), while that kernel drains.
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    wait_for_previous(USE_PDL)
+    if EVEN_K:
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
@@ -50,8 +66,6 @@ def _gemv_kernel(
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -74,9 +88,10 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if m == 0:
         return y
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
+    pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=config["num_warps"])
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
+        num_warps=config["num_warps"], launch_pdl=pdl)
     return y

@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.lora import ExpandConfig, LoRAIndex, supports_pdl
+from bastion.ops.lora import ExpandConfig, LoRAIndex
+from bastion.ops.triton.pdl import supports_pdl
 
 try:
     from triton.language.extra.cuda import gdc_wait

@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.lora import LoRAIndex, ShrinkConfig, supports_pdl
+from bastion.ops.lora import LoRAIndex, ShrinkConfig
+from bastion.ops.triton.pdl import supports_pdl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

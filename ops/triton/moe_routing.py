@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+
 
 @triton.jit
 def _moe_routing_kernel(
@@ -27,7 +29,9 @@ def _moe_routing_kernel(
     RENORMALIZE: tl.constexpr,
     HAS_NUM_REAL: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -79,11 +83,12 @@ def moe_routing_triton(router_logits: torch.Tensor, top_k: int, renormalize: boo
     # NOTE: a decode step's few rows fit one warp, whose reductions (two for the softmax, two
     # per expert chosen) stay in registers instead of crossing warps through shared memory.
     num_warps = 1 if block_t * block_e <= 1024 else 4
+    pdl = use_pdl(router_logits.device)
     _moe_routing_kernel[(triton.cdiv(num_tokens, block_t),)](
         router_logits, weights, ids, num_real if num_real is not None else ids, num_tokens,
         router_logits.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_E=block_e, TOP_K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        HAS_NUM_REAL=num_real is not None, BLOCK_T=block_t,
-        num_warps=num_warps)
+        HAS_NUM_REAL=num_real is not None, BLOCK_T=block_t, USE_PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl)
     return weights, ids

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -18,6 +20,7 @@ def _rms_norm_kernel(
     NUM_INNER: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Row r of the [R, NUM_INNER, HIDDEN] input: outer index r // NUM_INNER, inner r % NUM_INNER
     # (per-head q/k norms read the heads of a fused qkv row in place, without a copy).
@@ -25,9 +28,10 @@ def _rms_norm_kernel(
     x_row = (row // NUM_INNER) * stride_x0 + (row % NUM_INNER) * stride_x1
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + x_row + offs, mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=0) / HIDDEN
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = x * tl.math.rsqrt(var + eps) * w
     tl.store(out_ptr + row * HIDDEN + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -55,9 +59,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     else:
         x3 = x.reshape(-1, x.shape[-2], hidden)
     block = triton.next_power_of_2(hidden)
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
         out, x3, weight, x3.stride(0), x3.stride(1), eps,
-        NUM_INNER=x3.shape[1], HIDDEN=hidden, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)),
+        NUM_INNER=x3.shape[1], HIDDEN=hidden, BLOCK=block, USE_PDL=pdl,
+        num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,
     )  # fmt: skip
     return out

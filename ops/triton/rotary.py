@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+
 
 class RotaryOutput(NamedTuple):
     query: torch.Tensor
@@ -99,7 +101,10 @@ def _rotary_kernel(
     NORM: tl.constexpr,
     STORE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    # Positions, cos/sin and the norm weights are read before the wait for the kernel that
+    # wrote q, k and v (the QKV projection).
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok)
     half = ROT_DIM // 2
@@ -116,6 +121,7 @@ def _rotary_kernel(
         x2_off = 2 * offs_i + 1
     offs_p = ROT_DIM + tl.arange(0, PASS_ARANGE)  # the dims partial rotary passes through
     out_ty = q_out_ptr.dtype.element_ty
+    wait_for_previous(USE_PDL)
 
     # query: NUM_Q_HEADS heads
     offs_h = tl.arange(0, Q_HEADS_PAD)[:, None] * HEAD_DIM
@@ -241,6 +247,7 @@ def apply_rotary_emb_triton(
             cache_strides, block_size = (0, 0, 0), 1
             v2, k_cache, v_cache, slot_mapping = k2, q_out, q_out, positions
         pass_dim = head_size - rot_dim
+        pdl = use_pdl(query.device)
         pass_pad = triton.next_power_of_2(pass_dim) if pass_dim else 0
         _rotary_kernel[(num_tokens,)](
             q_out, k_out, q2, k2, v2, positions, cos_sin_cache, q_weight, k_weight,
@@ -252,6 +259,7 @@ def apply_rotary_emb_triton(
             HALF_PAD=triton.next_power_of_2(rot_dim // 2),
             PASS_PAD=pass_pad, PASS_ARANGE=max(pass_pad, 1),
             DIM_PAD=triton.next_power_of_2(head_size),
-            IS_NEOX=is_neox_style, NORM=norm, STORE=store, BLOCK_SIZE=block_size, num_warps=4,
+            IS_NEOX=is_neox_style, NORM=norm, STORE=store, BLOCK_SIZE=block_size,
+            USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return RotaryOutput(q_out.view(query.shape), k_out.view(key.shape))

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -15,7 +17,9 @@ def _silu_and_mul_kernel(
     stride_out,
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -38,7 +42,9 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     grid = (num_tokens, triton.cdiv(inter, block))
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[grid](
-        out, x, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4
+        out, x, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, USE_PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )
     return out

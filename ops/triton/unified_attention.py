@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
 from bastion import envs
 from bastion.ops.triton.attention_reduce import merge_attention_splits_triton, merge_splits
-from triton.runtime.errors import OutOfResources
+from bastion.ops.triton.pdl import use_pdl, wait_for_previous
 
 if TYPE_CHECKING:
     from bastion.ops.attention_metadata import AttentionMetadata
@@ -121,7 +123,10 @@ def _unified_attention_kernel(
     DECODE: tl.constexpr,
     SKIP_DECODE_ROWS: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    # NOTE: at the very start, so every program waits (most of a decode grid's may exit below).
+    wait_for_previous(USE_PDL)
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -335,7 +340,8 @@ def _launch(grid: tuple[int, int, int], config: KernelConfig, args: tuple,
             _unified_attention_kernel[grid](
                 *args, BLOCK_Q=_block_q(config, num_q_per_kv),
                 BLOCK_M=_block_m(config, num_q_per_kv), TILE=config.tile,
-                num_warps=config.num_warps, num_stages=config.num_stages, **consts)
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                launch_pdl=consts["USE_PDL"], **consts)
             return
         except OutOfResources as exc:
             # The shapes are tuned on an H200 (228 KiB of shared memory a SM); a smaller GPU
@@ -447,7 +453,8 @@ def paged_attention_triton(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0))
     consts = {"NUM_Q_PER_KV": num_q_per_kv, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad,
               "KV_BLOCK_SIZE": block_size, "NUM_SPLITS": num_splits,
-              "IEEE_DOT": query.dtype == torch.float32, "FUSED_MERGE": fused_merge}
+              "IEEE_DOT": query.dtype == torch.float32, "FUSED_MERGE": fused_merge,
+              "USE_PDL": use_pdl(query.device)}
     _launch((num_q_blocks, num_kv_heads, num_splits), main, args,
             DECODE=is_decode, SKIP_DECODE_ROWS=split_decode, **consts)
     if split_decode:
