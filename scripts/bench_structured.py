@@ -333,6 +333,10 @@ def main() -> None:
                    help="profile the timed runs of this batch size with cProfile (and, on a "
                         "GPU, torch's sync debug mode): the engine thread's top calls by own "
                         "time, where a host wait for the device shows as a C call")
+    p.add_argument("--torch-profile", type=int, default=None, metavar="BATCH",
+                   help="GPU: profile the timed runs of this batch size with torch's profiler "
+                        "and print the CUDA runtime calls and kernels by host time (a blocking "
+                        "call, e.g. cudaEventSynchronize, shows its wait)")
     args = p.parse_args()
     max_num_seqs = max(args.batch_sizes)
     if args.simulate_device_ms is not None:
@@ -372,7 +376,9 @@ def main() -> None:
                         f"warm-{name}-{batch}")
             host = HostTimes() if args.breakdown else None
             profiler = (cProfile.Profile() if args.cprofile == batch else None)
-            with sync_debug(profiler is not None and device == "cuda"):
+            with sync_debug(profiler is not None and device == "cuda"), \
+                    torch_profile(args.torch_profile == batch and device == "cuda",
+                                  f"batch {batch} {name}"):
                 if profiler is not None:
                     profiler.enable()
                 steps, fills = timed_batch(engine, eos_token_id, device, batch, prompt,
@@ -403,6 +409,21 @@ def main() -> None:
         print(f"\ncProfile, batch {batch} {name} ({num_steps} timed steps), top calls by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
     shutdown()
+
+
+@contextlib.contextmanager
+def torch_profile(on: bool, title: str):
+    """torch's profiler around a timed run: host time of each CUDA runtime call and op."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    print(f"\ntorch profile, {title}: by host (self CPU) time")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22,
+                                    max_name_column_width=60))
 
 
 @contextlib.contextmanager
