@@ -41,6 +41,7 @@ import statistics
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -194,9 +195,12 @@ class HostTimes:
     # Inside the parts above (a worker in this process): the decode graph's staging and
     # replay, the LM head, the sampling of a step and the bitmask's application.
     INNER = ("graph run", "logits", "sample step", "apply mask")
+    # Inside those: a graph's replay call, the wait for a staging buffer set, and the mask's
+    # buffer (waiting for the last transfer out of it) and xgrammar's kernel launch.
+    CALLS = ("replay", "staging", "mask buffer", "mask kernel")
 
     def __init__(self) -> None:
-        self.step: dict[str, float] = dict.fromkeys(self.PARTS + self.INNER, 0.0)
+        self.step: dict[str, float] = dict.fromkeys(self.PARTS + self.INNER + self.CALLS, 0.0)
         self.steps: list[dict[str, float]] = []
 
     def wrap(self, owner: object, name: str, part: str) -> None:
@@ -211,6 +215,13 @@ class HostTimes:
 
         setattr(owner, name, timed)
 
+    def wrap_class(self, owner: object, name: str, part: str) -> Callable[[], None]:
+        """``wrap`` for a class's method (every instance) or a module's function; returns
+        the undo."""
+        original = vars(owner)[name]
+        self.wrap(owner, name, part)
+        return lambda: setattr(owner, name, original)
+
     def unwrap(self, owner: object, names: list[str]) -> None:
         for name in names:
             if name in vars(owner):
@@ -220,12 +231,12 @@ class HostTimes:
         if counted:
             self.step["other"] = wall_s - sum(self.step[p] for p in self.PARTS)
             self.steps.append(self.step)
-        self.step = dict.fromkeys(self.PARTS + self.INNER, 0.0)
+        self.step = dict.fromkeys(self.PARTS + self.INNER + self.CALLS, 0.0)
 
     def medians_ms(self) -> dict[str, float]:
         steps = self.steps[2:] or self.steps
         return {part: 1e3 * statistics.median(s[part] for s in steps)
-                for part in self.PARTS + self.INNER}
+                for part in self.PARTS + self.INNER + self.CALLS}
 
 
 def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
@@ -248,6 +259,13 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
             for (owner, name), part in zip(inner, ("sample step", "logits", "apply mask")
                                            + ("graph run",) * 2):
                 host.wrap(owner, name, part)
+            import xgrammar
+
+            from bastion.core.staging import StagingRing
+            undo = [host.wrap_class(torch.cuda.CUDAGraph, "replay", "replay"),
+                    host.wrap_class(StagingRing, "acquire", "staging"),
+                    host.wrap_class(type(runner._bitmask), "_buffer", "mask buffer")]
+            undo.append(host.wrap_class(xgrammar, "apply_token_bitmask_inplace", "mask kernel"))
         launch = engine.executor.execute_model_async
 
         def timed_launch(sched: SchedulerOutput):
@@ -305,6 +323,9 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
         host.unwrap(engine, ["_start_fill"])
         for owner, name in inner:
             host.unwrap(owner, [name])
+        if runner is not None:
+            for restore in undo:
+                restore()
     # The first steps of the batch are its prefill; the steady state is what is compared.
     return steps[2:], fills
 
@@ -400,7 +421,7 @@ def main() -> None:
         print(f"{batch:>5} | {none:>14.2f} | {js:>14.2f} | {fill_ms:>7.2f} | {pct:>+7.1f}%")
     if breakdowns:
         print("\nhost time per step on the engine's thread, median ms")
-        for columns in (HostTimes.PARTS, HostTimes.INNER):
+        for columns in (HostTimes.PARTS, HostTimes.INNER, HostTimes.CALLS):
             print(f"{'batch':>5} {'case':>5} | " + " | ".join(f"{p:>11}" for p in columns))
             for batch, name, parts in breakdowns:
                 print(f"{batch:>5} {name:>5} | "
