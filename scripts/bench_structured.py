@@ -196,7 +196,7 @@ class HostTimes:
     # replay, the LM head, the sampling of a step and the bitmask's application.
     INNER = ("graph run", "logits", "sample step", "apply mask")
     # Inside those: a graph's replay call, the wait for a staging buffer set, and the mask's
-    # buffer (waiting for the last transfer out of it) and xgrammar's kernel launch.
+    # buffers (waiting for the last transfer out of them) and its kernel's launch.
     CALLS = ("replay", "staging", "mask buffer", "mask kernel")
 
     def __init__(self) -> None:
@@ -262,10 +262,13 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
             import xgrammar
 
             from bastion.core.staging import StagingRing
+            from bastion.ops.triton import grammar_bitmask
             undo = [host.wrap_class(torch.cuda.CUDAGraph, "replay", "replay"),
                     host.wrap_class(StagingRing, "acquire", "staging"),
-                    host.wrap_class(type(runner._bitmask), "_buffer", "mask buffer")]
-            undo.append(host.wrap_class(xgrammar, "apply_token_bitmask_inplace", "mask kernel"))
+                    host.wrap_class(type(runner._bitmask), "_buffers", "mask buffer"),
+                    host.wrap_class(grammar_bitmask, "apply_bitmask_rows_triton",
+                                    "mask kernel"),
+                    host.wrap_class(xgrammar, "apply_token_bitmask_inplace", "mask kernel")]
         launch = engine.executor.execute_model_async
 
         def timed_launch(sched: SchedulerOutput):

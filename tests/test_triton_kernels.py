@@ -44,6 +44,7 @@ _KERNEL_MODULES = [
     "bastion.ops.triton.fused_moe_gemv",
     "bastion.ops.triton.fused_moe",
     "bastion.ops.triton.gemv",
+    "bastion.ops.triton.grammar_bitmask",
 ]
 
 
@@ -84,6 +85,7 @@ moe_routing_triton = _K["moe_routing"].moe_routing_triton
 moe_align_triton = _K["moe_align"].moe_align_triton
 fused_moe_triton = _K["fused_moe"].fused_moe_triton
 gemv_triton = _K["gemv"].gemv_triton
+apply_bitmask_rows_triton = _K["grammar_bitmask"].apply_bitmask_rows_triton
 
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -592,6 +594,28 @@ def test_silu_and_mul_multiple_column_blocks() -> None:
     torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), atol=1e-6, rtol=1e-6)
 
 
+def test_grammar_bitmask_rows_mask_their_logits_rows_only() -> None:
+    """Bitmask rows in fill order, mapped to permuted logits rows (one logits row has no
+    grammar and stays as it was); a vocabulary past one program's 4096 tokens and not a
+    multiple of 32, so the last word is partial."""
+    from bastion.core.structured_output.bitmask import apply_token_bitmask_reference
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 4096 + 70
+    logits = torch.randn(4, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, -(-vocab // 32)), generator=gen,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # a row that allows everything
+    rows = [2, 0, 3]
+    out = logits.clone()
+    apply_bitmask_rows_triton(out, bitmask, torch.tensor(rows, dtype=torch.int32))
+    reference = logits.clone()
+    apply_token_bitmask_reference(reference, bitmask, rows)
+    assert torch.equal(out, reference)
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[0], logits[0])
+    assert torch.isinf(out[2]).sum() == torch.isinf(reference[2]).sum() > 1000
+
+
 # ----------------------------------------------------------------------------- real shapes (GPU)
 
 _DEV = torch.device("cuda") if HAS_CUDA else CPU
@@ -898,3 +922,34 @@ def test_attention_config_from_the_environment_keeps_unset_fields(
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             mod._config(env, default)
+
+
+@gpu
+@requires_cuda
+def test_gpu_grammar_bitmask_applier_matches_the_reference() -> None:
+    """The runner's applier on a GPU: Qwen3's vocabulary, bitmask rows for a permuted subset
+    of the logits rows (one request not in this batch), applied twice through the same pinned
+    buffers; the rows without a grammar stay as they were."""
+    import numpy as np
+
+    from bastion.core.structured_output.bitmask import (
+        GrammarBitmaskApplier,
+        apply_token_bitmask_reference,
+    )
+    from bastion.ipc.messages import GrammarBitmask
+
+    gen = torch.Generator().manual_seed(2)
+    vocab, words = 151936, 4748
+    applier = GrammarBitmaskApplier()
+    for step in range(2):
+        logits = torch.randn(8, vocab, generator=gen).to(_DEV)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (4, words), generator=gen,
+                                dtype=torch.int64).to(torch.int32)
+        msg = GrammarBitmask(step, ["a", "b", "gone", "c"],
+                             memoryview(bitmask.numpy().reshape(-1).view(np.uint8)), words)
+        out = logits.clone()
+        applier.apply(out, msg, {"a": 5, "b": 0, "c": 3, "free": 1})
+        reference = logits.clone()
+        apply_token_bitmask_reference(reference, bitmask[[0, 1, 3]].to(_DEV), [5, 0, 3])
+        assert torch.equal(out, reference)
+        assert torch.equal(out[1], logits[1])

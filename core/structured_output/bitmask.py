@@ -1,5 +1,6 @@
-"""Applying a step's grammar bitmask to its logits, on the logits' device: xgrammar's kernel
-(C++ on the CPU, Triton on a GPU), with a torch reference beside it for the tests."""
+"""Applying a step's grammar bitmask to its logits, on the logits' device: xgrammar's C++
+kernel on the CPU, a Triton kernel with a row map on a GPU, and a torch reference beside them
+for the tests."""
 
 from __future__ import annotations
 
@@ -10,59 +11,65 @@ from bastion.ipc.messages import GrammarBitmask
 
 
 class GrammarBitmaskApplier:
-    """Applies bitmasks for one model runner; on a GPU through a pinned host buffer kept from
-    step to step, so applying one costs one host copy and one transfer that does not block."""
+    """Applies bitmasks for one model runner. On a GPU the rows travel through pinned host
+    buffers kept from step to step, as they were filled (a row map says which logits row each
+    one masks, ``ops/triton/grammar_bitmask.py``): one host copy, two transfers that do not
+    block, one launch."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None  # pinned int32 [rows, words], grown on demand
-        self._copied: torch.cuda.Event | None = None  # the last transfer out of it
+        self._host_rows: torch.Tensor | None = None  # pinned int32 [rows]: each one's logits row
+        self._copied: torch.cuda.Event | None = None  # the last transfer out of them
 
     def apply(self, logits: torch.Tensor, msg: GrammarBitmask, row_of: dict[str, int]) -> None:
         """In place: each row ``row_of[request_id]`` of ``logits`` keeps only the tokens its
         request's bitmask row allows. Rows of requests not in ``msg`` are not touched."""
-        import xgrammar as xgr
-
         pairs = [(row_of[rid], i) for i, rid in enumerate(msg.request_ids) if rid in row_of]
         if not pairs:
             return
-        num_rows = logits.shape[0]
-        rows = [row for row, _ in pairs]
         sent = np.frombuffer(msg.bitmask, dtype=np.int32).reshape(len(msg.request_ids),
                                                                   msg.num_words)
-        host = self._buffer(num_rows, msg.num_words, logits.is_cuda)
+        if logits.is_cuda:
+            self._apply_on_device(logits, sent, pairs)
+            return
+        import xgrammar as xgr
+
         # NOTE: xgrammar's kernel reads bitmask row ``i`` for logits row ``i``, so the rows are
         # laid out in the logits' order (rows without a grammar allow everything).
-        source = np.full(num_rows, -1, dtype=np.int64)
-        source[rows] = [i for _, i in pairs]
-        if len(pairs) == num_rows:
-            np.take(sent, source, axis=0, out=host)
+        rows = [row for row, _ in pairs]
+        host = np.full((logits.shape[0], msg.num_words), -1, dtype=np.int32)
+        host[rows] = sent[[i for _, i in pairs]]
+        xgr.apply_token_bitmask_inplace(logits, torch.from_numpy(host),
+                                        vocab_size=logits.shape[1], indices=rows)
+
+    def _apply_on_device(self, logits: torch.Tensor, sent: np.ndarray,
+                         pairs: list[tuple[int, int]]) -> None:
+        from bastion.ops.triton.grammar_bitmask import apply_bitmask_rows_triton
+
+        num_rows = len(pairs)
+        host, host_rows = self._buffers(num_rows, sent.shape[1])
+        if num_rows == sent.shape[0] and all(i == j for j, (_, i) in enumerate(pairs)):
+            np.copyto(host, sent)  # every row sent is this runner's, in order: one memcpy
         else:
-            host[source < 0] = -1
-            host[rows] = sent[source[rows]]
-        bitmask = self._host[:num_rows] if logits.is_cuda else torch.from_numpy(host)
-        if not logits.is_cuda:
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
-                                            indices=rows)
-            return
-        device_bitmask = bitmask.to(logits.device, non_blocking=True)
+            np.take(sent, [i for _, i in pairs], axis=0, out=host)
+        host_rows[:] = [row for row, _ in pairs]
+        bitmask = self._host[:num_rows].to(logits.device, non_blocking=True)
+        rows = self._host_rows[:num_rows].to(logits.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        # Every row, so the kernel gets no index list (a list would be copied to the device
-        # from pageable memory on every call).
-        xgr.apply_token_bitmask_inplace(logits, device_bitmask, vocab_size=logits.shape[1])
+        apply_bitmask_rows_triton(logits, bitmask, rows)
 
-    def _buffer(self, num_rows: int, num_words: int, pinned: bool) -> np.ndarray:
-        """A host array for ``num_rows`` rows; on a GPU the pinned buffer, once the transfer
-        that last read it has run (it has: the step it served has sampled since)."""
-        if not pinned:
-            return np.empty((num_rows, num_words), dtype=np.int32)
+    def _buffers(self, num_rows: int, num_words: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views of the pinned buffers for ``num_rows`` rows, once the transfers that last read
+        them have run (they have: the step they served has sampled since)."""
         if self._copied is not None:
             self._copied.synchronize()
         host = self._host
         if host is None or host.shape[0] < num_rows or host.shape[1] != num_words:
             rows = max(num_rows, 0 if host is None else host.shape[0])
             self._host = torch.empty((rows, num_words), dtype=torch.int32, pin_memory=True)
-        return self._host[:num_rows].numpy()
+            self._host_rows = torch.empty(rows, dtype=torch.int32, pin_memory=True)
+        return self._host[:num_rows].numpy(), self._host_rows[:num_rows].numpy()
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, msg: GrammarBitmask,
