@@ -34,6 +34,7 @@
  * Built without AVX-512 VNNI nothing runs: ``q4_gemv_is_vectorized`` says 0 and the launcher
  * keeps torch's kernel, which a scalar loop here would not beat. The launcher checks shapes.
  */
+#include "cpu_kernels.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
