@@ -2,6 +2,9 @@
 through every decoder layer of an int4 Llama model and its final norm, against the op-by-op
 path it replaces (each op through its own C kernel). The fused call links those kernels' own
 objects, so the comparison is exact: hidden states, KV caches and greedy tokens bit for bit.
+From DENSE_MIN_ROWS rows up the op-by-op path's linear layers take the dense bfloat16 GEMM and
+the fused call keeps the int4 kernel: there each row is exact against op-by-op steps of fewer
+rows.
 """
 
 from __future__ import annotations
@@ -77,18 +80,30 @@ def _tiny_int4_model(**overrides: object) -> LlamaForCausalLM:
 
 
 def _step(model: nn.Module, caches: list[tuple[torch.Tensor, torch.Tensor]], seq_lens: list[int],
-          tables: list[list[int]], fused: bool, monkeypatch: pytest.MonkeyPatch
-          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+          tables: list[list[int]], fused: bool, monkeypatch: pytest.MonkeyPatch,
+          max_rows: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One decode step (one new token per sequence, at position seq_len - 1) over copies of
-    ``caches``: the output hidden [M, H] and every cache after it."""
+    ``caches``, or with ``max_rows`` as many steps of that many sequences at most, one after
+    the other: the output hidden [M, H] and every cache after it."""
     monkeypatch.setenv("BASTION_CPU_FUSED_DECODE", "1" if fused else "0")
     for attn, (k, v) in zip(model.attention_layers(), caches):
         attn.k_cache, attn.v_cache = k.clone(), v.clone()
-    meta = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, BLOCK_SIZE)
-    ids = torch.tensor([7 + 31 * i for i in range(len(seq_lens))])
-    with torch.no_grad(), set_forward_context(meta):
-        hidden = model(ids, torch.tensor(seq_lens) - 1)
-    return hidden, [c for a in model.attention_layers() for c in (a.k_cache, a.v_cache)]
+    ids = torch.tensor([(7 + 31 * i) % 320 for i in range(len(seq_lens))])
+    rows = []
+    for lo in range(0, len(seq_lens), max_rows or len(seq_lens)):
+        part = slice(lo, lo + (max_rows or len(seq_lens)))
+        meta = build_attention_metadata([1] * len(seq_lens[part]), seq_lens[part], tables[part],
+                                        BLOCK_SIZE)
+        with torch.no_grad(), set_forward_context(meta):
+            rows.append(model(ids[part], torch.tensor(seq_lens[part]) - 1))
+    return torch.cat(rows), [c for a in model.attention_layers() for c in (a.k_cache, a.v_cache)]
+
+
+def _random_caches(model: nn.Module, num_blocks: int, gen: torch.Generator
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, BLOCK_SIZE, 2, 32)
+    return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+            for _ in model.attention_layers()]
 
 
 @requires_vnni
@@ -103,9 +118,7 @@ def test_a_fused_step_is_the_op_by_op_step_bit_for_bit(seq_lens: list[int], fuse
     model = _tiny_int4_model()
     num_blocks = 48
     gen = torch.Generator().manual_seed(1)
-    shape = (num_blocks, BLOCK_SIZE, 2, 32)
-    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-              for _ in model.attention_layers()]
+    caches = _random_caches(model, num_blocks, gen)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
     want, want_caches = _step(model, caches, seq_lens, tables, False, monkeypatch)
@@ -119,11 +132,33 @@ def test_a_fused_step_is_the_op_by_op_step_bit_for_bit(seq_lens: list[int], fuse
 
 
 @requires_vnni
+@pytest.mark.parametrize("num_rows", [DENSE_MIN_ROWS, 12, decoder_layers.MAX_ROWS])
+def test_a_fused_step_past_the_dense_threshold_is_op_by_op_steps_of_fewer_rows(
+        num_rows: int, fused_calls, monkeypatch) -> None:
+    """Each row of a fused step of 8-16 rows (the int4 kernel in chunks of 8) is the row the
+    op-by-op path gives in steps of at most DENSE_MIN_ROWS - 1 sequences (the int4 kernel)."""
+    model = _tiny_int4_model()
+    gen = torch.Generator().manual_seed(2)
+    caches = _random_caches(model, 80, gen)
+    free = torch.randperm(80, generator=gen).tolist()
+    seq_lens = [1 + (5 * i) % 19 for i in range(num_rows)]
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    want, want_caches = _step(model, caches, seq_lens, tables, False, monkeypatch,
+                              max_rows=DENSE_MIN_ROWS - 1)
+    assert fused_calls == []
+    got, got_caches = _step(model, caches, seq_lens, tables, True, monkeypatch)
+    assert fused_calls == [num_rows]
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_caches, want_caches))
+
+
+@requires_vnni
 def test_steps_it_does_not_take_run_op_by_op(fused_calls, monkeypatch) -> None:
     model = _tiny_int4_model()
     driver = PagedDriver(model, num_blocks=64, block_size=BLOCK_SIZE)
-    tables = [[driver.free_blocks.pop() for _ in range(4)] for _ in range(DENSE_MIN_ROWS)]
-    ids = torch.arange(DENSE_MIN_ROWS)
+    many = decoder_layers.MAX_ROWS + 1
+    tables = [[driver.free_blocks.pop() for _ in range(2)] for _ in range(many)]
+    ids = torch.arange(many)
 
     def forward(query_lens: list[int], seq_lens: list[int], num_seqs: int) -> None:
         meta = build_attention_metadata(query_lens, seq_lens, tables[:num_seqs], BLOCK_SIZE)
@@ -131,7 +166,7 @@ def test_steps_it_does_not_take_run_op_by_op(fused_calls, monkeypatch) -> None:
             model(ids[:sum(query_lens)], torch.tensor(
                 [p for q, n in zip(query_lens, seq_lens) for p in range(n - q, n)]))
 
-    forward([1] * DENSE_MIN_ROWS, [5] * DENSE_MIN_ROWS, DENSE_MIN_ROWS)  # the dense GEMM's rows
+    forward([1] * many, [5] * many, many)  # more rows than it takes
     forward([3], [3], 1)  # a prefill
     forward([1, 2], [4, 6], 2)  # a mixed step
     monkeypatch.setenv("BASTION_CPU_KERNELS", "0")  # the torch references everywhere
@@ -183,12 +218,6 @@ def test_a_step_pointing_outside_its_tables_is_refused(monkeypatch) -> None:
         meta.block_tables[0, 1] = 99  # past the cache's 8 blocks
         with pytest.raises(ValueError, match="point outside the tables"):
             model(torch.tensor([3]), torch.tensor([4]))
-
-
-def test_the_fused_rows_are_the_int4_kernels_rows() -> None:
-    """The fused call reproduces the linear layers' int4 decode kernel, which they take below
-    DENSE_MIN_ROWS rows; from there up they take the dense GEMM, which it does not compute."""
-    assert decoder_layers.MAX_ROWS == DENSE_MIN_ROWS <= quant_gemv4.MAX_ROWS + 1
 
 
 @pytest.fixture(scope="module")

@@ -1,28 +1,26 @@
 """The CPU's fused decode path for Llama-shaped models (``ops/cpu/decoder_layers.c``): a pure
-decode step of a few rows through every decoder layer and the final norm in one C call, where
-the op-by-op path makes ~10 torch ops and 7 ctypes calls a layer.
+decode step of up to 16 rows through every decoder layer and the final norm in one C call,
+where the op-by-op path makes ~10 torch ops and 7 ctypes calls a layer.
 
-It runs where it computes exactly what the op-by-op path would: the C kernels on, float32
-activations, every linear layer int4 in ``pack_q4``'s layout without bias, LoRA or tensor
-parallelism, no per-head q/k norms (Qwen3), a dense MLP (not Qwen3-MoE), fewer rows than the
-linear layers' dense-GEMM threshold, one new token per sequence. Anywhere else the model's
-own loop runs, unchanged.
+It runs where the C kernels are on, activations are float32, every linear layer is int4 in
+``pack_q4``'s layout without bias, LoRA or tensor parallelism, there are no per-head q/k norms
+(Qwen3) and the MLP is dense (not Qwen3-MoE), and the step has one new token per sequence.
+Below ``DENSE_MIN_ROWS`` rows it computes exactly what the op-by-op path would; from there to
+``decoder_layers.MAX_ROWS`` its linear layers keep the int4 kernel (16-bit activations) where
+the op-by-op path's take the dense bfloat16 GEMM (bfloat16 activations), each row the same as
+it would be in a step of fewer rows. Anywhere else the model's own loop runs, unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 from bastion import envs
-from bastion.core.models.layers.quantization import DENSE_MIN_ROWS, Int4WeightOnlyMethod
+from bastion.core.models.layers.quantization import Int4WeightOnlyMethod
 from bastion.core.models.layers.rotary_embedding import RotaryEmbedding
 from bastion.ops.attention_metadata import AttentionMetadata
 from bastion.ops.cpu import decoder_layers
 from bastion.ops.cpu.decoder_layers import DecoderStack, LayerWeights
 from torch import nn
-
-# The rows where the op-by-op path's linear layers take the int4 decode kernel, which the fused
-# call reproduces (from DENSE_MIN_ROWS up they take the dense bfloat16 GEMM).
-_MAX_ROWS = min(DENSE_MIN_ROWS, decoder_layers.MAX_ROWS)
 
 
 class FusedDecode:
@@ -42,7 +40,7 @@ class FusedDecode:
         """The stack when this step can take it (``hidden`` [T, H], the embeddings), else
         None."""
         if (meta is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
-                or not 1 <= hidden.shape[0] < _MAX_ROWS or meta.max_query_len != 1
+                or not 1 <= hidden.shape[0] <= decoder_layers.MAX_ROWS or meta.max_query_len != 1
                 or meta.num_seqs != hidden.shape[0] or decoder_layers.kernel() is None
                 or not envs.get("BASTION_CPU_FUSED_DECODE")):
             return None

@@ -6,6 +6,8 @@
 #define BASTION_CPU_KERNELS_H
 #include <stdint.h>
 
+#define Q4_MAX_ROWS 8  /* the most rows one q4_gemv_f32 call takes */
+
 int q4_gemv_f32(const float *x, int64_t num_rows, int64_t x_stride, const uint8_t *w,
                 int64_t n, int64_t k, int levels, float *out, int64_t out_stride,
                 int num_threads);

@@ -1,7 +1,9 @@
 /* A decode step through a stack of Llama decoder layers and the final norm, in one call: the
  * op kernels of this folder, called in the order and with the arguments the model's op-by-op
  * path gives them (core/models/llama.py), so the result is that path's bit for bit (each
- * kernel is linked from its own object, built with its own flags: ops/cpu/__init__.py).
+ * kernel is linked from its own object, built with its own flags: ops/cpu/__init__.py). The
+ * int4 kernel takes at most Q4_MAX_ROWS rows a call: more go in chunks, each row's result the
+ * same as in a call of fewer rows (every op here is row by row).
  *
  * Per layer, for M decode rows (one new token of each of M sequences, row i of sequence i):
  *     x, residual = rms_norm(hidden + residual)      (layer 0: residual = hidden, x = norm)
@@ -47,8 +49,20 @@ typedef struct {
     const float *final_norm;   /* [H] */
 } DecoderShape;
 
-/* ``hidden`` [M, H] (the embeddings; overwritten) -> ``out`` [M, H]. Returns 0; -1 for a row
- * count the int4 kernel does not take, -2 out of memory, else the number of tokens and
+/* ``x`` [M, K] @ ``w``^T -> ``out`` [M, N] for any M, in chunks of the int4 kernel's rows. */
+static int q4_rows(const float *x, int64_t num_rows, int64_t k, const uint8_t *w, int64_t n,
+                   int levels, float *out, int num_threads) {
+    for (int64_t m = 0; m < num_rows; m += Q4_MAX_ROWS) {
+        const int64_t rows = num_rows - m < Q4_MAX_ROWS ? num_rows - m : Q4_MAX_ROWS;
+        const int status = q4_gemv_f32(x + m * k, rows, k, w, n, k, levels, out + m * n, n,
+                                       num_threads);
+        if (status) return status;
+    }
+    return 0;
+}
+
+/* ``hidden`` [M, H] (the embeddings; overwritten) -> ``out`` [M, H]. Returns 0; -1 for a
+ * width the int4 kernel does not take, -2 out of memory, else the number of tokens and
  * (sequence, KV head) pairs the rotary and attention kernels refused. */
 int64_t decoder_layers_f32(const DecoderShape *s, const DecoderLayer *layers,
                            int64_t num_layers, float *hidden, int64_t num_rows,
@@ -81,7 +95,7 @@ int64_t decoder_layers_f32(const DecoderShape *s, const DecoderLayer *layers,
             rms_norm_f32(hidden, H, residual, H, residual, w->input_norm, s->eps, M, H, x,
                          num_threads);
         }
-        status = q4_gemv_f32(x, M, H, w->qkv, QKV, H, s->levels, qkv, QKV, num_threads);
+        status = q4_rows(x, M, H, w->qkv, QKV, s->levels, qkv, num_threads);
         if (status) break;
         status = rotary_store_f32(positions, M, qkv, QKV, qkv + Q, QKV, qkv + Q + KV, QKV,
                                   s->cos_sin, s->max_position, s->rotary_dim, s->num_q_heads,
@@ -94,15 +108,14 @@ int64_t decoder_layers_f32(const DecoderShape *s, const DecoderLayer *layers,
             num_threads);
         if (status) break;
         /* o-proj's output goes to ``hidden``, free since the input norm read it. */
-        status = q4_gemv_f32(attn, M, Q, w->o, H, Q, s->levels, hidden, H, num_threads);
+        status = q4_rows(attn, M, Q, w->o, H, s->levels, hidden, num_threads);
         if (status) break;
         rms_norm_f32(hidden, H, residual, H, residual, w->post_norm, s->eps, M, H, x,
                      num_threads);
-        status = q4_gemv_f32(x, M, H, w->gate_up, 2 * I, H, s->levels, gate_up, 2 * I,
-                             num_threads);
+        status = q4_rows(x, M, H, w->gate_up, 2 * I, s->levels, gate_up, num_threads);
         if (status) break;
         silu_and_mul_f32(gate_up, 2 * I, M, I, act, num_threads);
-        status = q4_gemv_f32(act, M, I, w->down, H, I, s->levels, hidden, H, num_threads);
+        status = q4_rows(act, M, I, w->down, H, s->levels, hidden, num_threads);
     }
     if (status == 0)
         rms_norm_f32(hidden, H, residual, H, residual, s->final_norm, s->eps, M, H, out,

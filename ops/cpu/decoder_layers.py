@@ -1,6 +1,6 @@
-"""The launcher of ``decoder_layers.c``: a decode step of M < ``MAX_ROWS`` float32 rows through
-a stack of Llama decoder layers with int4 (``pack_q4``) weights and the final norm, in one
-call. ``DecoderStack`` checks the weights once and holds the C table of their pointers, so a
+"""The launcher of ``decoder_layers.c``: a decode step of 1 to ``MAX_ROWS`` float32 rows
+through a stack of Llama decoder layers with int4 (``pack_q4``) weights and the final norm, in
+one call. ``DecoderStack`` checks the weights once and holds the C table of their pointers, so a
 step costs one ctypes call and a few attribute reads."""
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import torch
 from bastion.ops.attention_metadata import AttentionMetadata
 from bastion.ops.cpu import bind_vectorized, is_enabled, quant_gemv4
 
-# The op-by-op path's linear layers take the int4 decode kernel below this many rows
-# (layers/quantization.py's DENSE_MIN_ROWS) and the dense bfloat16 GEMM from there up: the
-# fused call runs only where it is that path, bit for bit.
-MAX_ROWS = 8
+# The C call multiplies up to 8 rows at a time (quant_gemv4's MAX_ROWS), 16 in two passes over
+# the weights. NOTE: from 8 rows up the op-by-op path's linear layers take the dense bfloat16
+# GEMM instead (layers/quantization.py's DENSE_MIN_ROWS); at 16 rows the fused call measured
+# as fast at one thread and 1.4x at two (scripts/bench_cpu.py), past that the GEMM's AMX wins
+# as the passes over the weights add up.
+MAX_ROWS = 16
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -112,12 +114,12 @@ class DecoderStack:
     def run(self, hidden: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
         """``hidden`` [M, H] float32 embeddings of a pure decode step (row i: the one new token
-        of sequence i, 1 <= M < ``MAX_ROWS``; overwritten) -> the final norm's output [M, H].
+        of sequence i, 1 <= M <= ``MAX_ROWS``; overwritten) -> the final norm's output [M, H].
         Stores each layer's keys and values at ``meta.slot_mapping``. ValueError when a
         position, slot, length or block id points outside the tables and caches."""
         num_rows = hidden.shape[0]
         tables = meta.block_tables
-        if (not 1 <= num_rows < MAX_ROWS or meta.num_seqs != num_rows
+        if (not 1 <= num_rows <= MAX_ROWS or meta.num_seqs != num_rows
                 or meta.max_query_len != 1 or hidden.shape[1] != self.hidden_size
                 or hidden.dtype != torch.float32 or not hidden.is_contiguous()
                 or positions.dtype != torch.int64 or not positions.is_contiguous()
@@ -126,7 +128,7 @@ class DecoderStack:
                 or not meta.slot_mapping.is_contiguous() or tables.dtype != torch.int32
                 or tables.stride(-1) != 1 or meta.seq_lens.dtype != torch.int32
                 or meta.query_start_loc.dtype != torch.int32):
-            raise ValueError(f"a fused decode step takes 1-{MAX_ROWS - 1} float32 rows of "
+            raise ValueError(f"a fused decode step takes 1-{MAX_ROWS} float32 rows of "
                              f"{self.hidden_size}, one new token per sequence, int64 positions "
                              f"and slots and int32 tables; got hidden {tuple(hidden.shape)} "
                              f"{hidden.dtype}, {meta.num_seqs} sequences")

@@ -43,7 +43,7 @@
 #include <immintrin.h>
 #endif
 
-#define Q4_MAX_ROWS 8
+/* Q4_MAX_ROWS (8): cpu_kernels.h */
 #define GROUP 32
 #define LANES 16            /* groups a block */
 /* At most 8 lanes a row, so a tile is 2 rows or more: its lane sums are added up once for all
