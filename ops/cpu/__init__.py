@@ -2,9 +2,10 @@
 
 Each kernel is one ``<name>.c`` file beside this one, compiled into a shared library under
 ``$BASTION_CACHE_DIR/cpu-kernels/`` and called through ``ctypes`` with raw pointers: no Python
-headers, no torch headers, so a build takes about a second, once. The library's name carries a
-digest of its source, the compiler (path, size and time stamp), the flags and the CPU's feature
-flags: it is compiled with ``-march=native``, so a cache folder shared between machines (an NFS
+headers, no torch headers, so a build takes about a second, once. A kernel that calls others
+(``LINKED``: the fused decode layers) links their objects into its library, each compiled with
+its own flags. The library's name carries a digest of its sources and headers, the compiler
+(path, size and time stamp), the flags and the CPU's feature flags: it is compiled with ``-march=native``, so a cache folder shared between machines (an NFS
 home, a CI cache) never hands one machine a binary built for another's instruction set. Where
 ``-march=native`` does not compile, the kernel is built for the compiler's default target.
 
