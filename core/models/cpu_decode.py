@@ -48,7 +48,10 @@ class FusedDecode:
             self._is_supported = _is_supported(self.layers, self.final_norm)
             if self._is_supported:
                 self._attention = [layer.self_attn.attn for layer in self.layers]
-        if not self._is_supported or self._attention[0].k_cache.numel() == 0:
+        if not self._is_supported:
+            return None
+        cache = self._attention[0].k_cache  # empty before the runner sizes it, None after a
+        if cache is None or cache.numel() == 0:  # profiling run
             return None
         stack = self._stack
         if stack is None or not all(a.k_cache is w.k_cache and a.v_cache is w.v_cache
