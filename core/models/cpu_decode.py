@@ -14,13 +14,14 @@ it would be in a step of fewer rows. Anywhere else the model's own loop runs, un
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from bastion import envs
 from bastion.core.models.layers.quantization import Int4WeightOnlyMethod
 from bastion.core.models.layers.rotary_embedding import RotaryEmbedding
 from bastion.ops.attention_metadata import AttentionMetadata
 from bastion.ops.cpu import decoder_layers
 from bastion.ops.cpu.decoder_layers import DecoderStack, LayerWeights
-from torch import nn
 
 
 class FusedDecode:
