@@ -60,7 +60,12 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_CPU_KERNELS": EnvVar(
         True, _flag, "0: the CPU path runs the torch references instead of its C kernels "
         "(ops/cpu: decode attention, rotary + KV store, greedy argmax, the int8 and int4 decode "
-        "matmuls, RMSNorm, SiLU-and-mul)"),
+        "matmuls, RMSNorm, SiLU-and-mul, the fused decode layers)"),
+    "BASTION_CPU_FUSED_DECODE": EnvVar(
+        True, _flag, "0: a CPU decode step of an int4 Llama model runs its layers op by op "
+        "(each op's C kernel) instead of one C call through every layer and the final norm "
+        "(ops/cpu/decoder_layers.c; the same arithmetic below 8 rows; from 8 to 16 the op-by-op "
+        "layers take the dense bfloat16 GEMM)"),
     "BASTION_CPU_INT4_LEVELS": EnvVar(
         2, _levels, "the C int4 decode kernel's activations (ops/cpu/quant_gemv4.c), read when "
         "a layer is built: 2 quantizes them to 16-bit integers per 32 (below bfloat16's "

@@ -108,12 +108,14 @@ def test_every_kernel_builds_and_the_start_up_line_names_them() -> None:
     assert all(load_cpu_kernel(name) is not None for name in cpu.KERNELS)
     line = cpu.describe_cpu_path(torch.float32)
     assert line.startswith("C kernels paged_attention, rotary, argmax, quant_gemv, quant_gemv4, "
-                           f"rms_norm, activation (OpenMP, {torch.get_num_threads()} threads;"), line
+                           "rms_norm, activation, decoder_layers (OpenMP, "
+                           f"{torch.get_num_threads()} threads;"), line
     assert "torch references" not in line
     line = cpu.describe_cpu_path(torch.bfloat16)
     assert line.startswith("C kernels argmax (OpenMP"), line
     assert line.endswith("; torch references for paged_attention, rotary, quant_gemv, "
-                         "quant_gemv4, rms_norm, activation (bfloat16 activations)")
+                         "quant_gemv4, rms_norm, activation, decoder_layers (bfloat16 "
+                         "activations)")
 
 
 @has_compiler
@@ -204,6 +206,26 @@ def test_the_cache_is_keyed_by_the_cpus_features(monkeypatch, tmp_path, fresh_bu
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2")
     assert load_cpu_kernel("argmax") is not None
     assert len(list(tmp_path.rglob("argmax-*.so"))) == 2
+
+
+@has_compiler
+def test_a_linked_kernel_is_rebuilt_when_a_part_it_links_changes(monkeypatch, tmp_path,
+                                                                  fresh_builds) -> None:
+    """decoder_layers links the op kernels' objects: a change to one of them (here its flags)
+    is a new library, and the part is compiled with its own flags, not the caller's."""
+    monkeypatch.setenv("BASTION_CACHE_DIR", str(tmp_path))
+    assert "rms_norm" in cpu.LINKED["decoder_layers"]
+    assert load_cpu_kernel("decoder_layers") is not None
+    cpu._load.cache_clear()
+    monkeypatch.setitem(cpu.KERNELS, "rms_norm", ("-ffp-contract=off", "-DBASTION_PROBE=1"))
+    commands = []
+    run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: commands.append(cmd) or run(cmd, **kw))
+    assert load_cpu_kernel("decoder_layers") is not None
+    assert len(list(tmp_path.rglob("decoder_layers-*.so"))) == 2
+    [rms] = [c for c in commands if any(a.endswith("rms_norm.c") for a in c)]
+    [own] = [c for c in commands if any(a.endswith("decoder_layers.c") for a in c)]
+    assert "-DBASTION_PROBE=1" in rms and "-DBASTION_PROBE=1" not in own
 
 
 _RACER = """

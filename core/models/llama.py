@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from bastion.core.forward_context import get_forward_context
+from bastion.core.models.cpu_decode import FusedDecode
 from bastion.core.models.layers.activation import SiluAndMul
 from bastion.core.models.layers.attention import Attention
 from bastion.core.models.layers.layernorm import RMSNorm
@@ -97,9 +99,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode = FusedDecode(self.layers, self.norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        meta = get_forward_context()
+        stack = self.fused_decode.stack_for(hidden, meta)
+        if stack is not None:  # a CPU decode step in one C call (core/models/cpu_decode.py)
+            return stack.run(hidden, positions, meta)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)

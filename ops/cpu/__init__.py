@@ -2,9 +2,10 @@
 
 Each kernel is one ``<name>.c`` file beside this one, compiled into a shared library under
 ``$BASTION_CACHE_DIR/cpu-kernels/`` and called through ``ctypes`` with raw pointers: no Python
-headers, no torch headers, so a build takes about a second, once. The library's name carries a
-digest of its source, the compiler (path, size and time stamp), the flags and the CPU's feature
-flags: it is compiled with ``-march=native``, so a cache folder shared between machines (an NFS
+headers, no torch headers, so a build takes about a second, once. A kernel that calls others
+(``LINKED``: the fused decode layers) links their objects into its library, each compiled with
+its own flags. The library's name carries a digest of its sources and headers, the compiler
+(path, size and time stamp), the flags and the CPU's feature flags: it is compiled with ``-march=native``, so a cache folder shared between machines (an NFS
 home, a CI cache) never hands one machine a binary built for another's instruction set. Where
 ``-march=native`` does not compile, the kernel is built for the compiler's default target.
 
@@ -70,12 +71,21 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("-ffp-contract=off",),
     # exp becomes glibc's vector expf (as in paged_attention).
     "activation": ("-ffast-math",),
+    # Only orchestration (copies, the residual's first copy): no arithmetic of its own to round.
+    "decoder_layers": (),
+}
+
+# Kernels whose library also links the objects of the kernels they call, each compiled with
+# that kernel's own flags above. # NOTE: so a fused call rounds exactly as the op-by-op calls
+# do (one translation unit would give rotary -ffast-math, or attention no vector expf).
+LINKED: dict[str, tuple[str, ...]] = {
+    "decoder_layers": ("quant_gemv4", "rms_norm", "rotary", "paged_attention", "activation"),
 }
 
 # The kernels that take the model's activations: float32 only, the other dtypes keep the
 # reference (argmax reads the logits, float32 in every model).
 _ACTIVATION_KERNELS = ("paged_attention", "rotary", "quant_gemv", "quant_gemv4", "rms_norm",
-                       "activation")
+                       "activation", "decoder_layers")
 
 # Why a kernel is not built, by name (for the start-up line).
 _unavailable: dict[str, str] = {}
@@ -178,15 +188,16 @@ def _load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         _unavailable[name] = "no C compiler"
         return None
-    source = _SOURCE_DIR / f"{name}.c"
+    parts = (name, *LINKED.get(name, ()))
     try:
         cache = _cache_dir()
         for arch in _ARCH_FLAGS:
-            flags = (*_COMPILE_FLAGS, *arch, *KERNELS[name])
-            library = cache / f"{name}-{_digest(source, compiler, flags)}.so"
+            units = tuple((_SOURCE_DIR / f"{part}.c", (*_COMPILE_FLAGS, *arch, *KERNELS[part]))
+                          for part in parts)
+            library = cache / f"{name}-{_digest(units, compiler)}.so"
             try:
                 if not library.is_file():
-                    _build(compiler, flags, source, library)
+                    _build(compiler, units, library)
                 return ctypes.CDLL(str(library))
             except subprocess.CalledProcessError as exc:
                 if arch == _ARCH_FLAGS[-1]:
@@ -212,9 +223,16 @@ def _cache_dir() -> Path:
     return Path(root) / "cpu-kernels"
 
 
-def _digest(source: Path, compiler: tuple[str, ...], flags: tuple[str, ...]) -> str:
-    h = hashlib.sha256(source.read_bytes())
-    h.update(" ".join((*compiler, *flags, *_LINK_FLAGS, *_LINK_LIBS)).encode())
+def _digest(units: tuple[tuple[Path, tuple[str, ...]], ...], compiler: tuple[str, ...]) -> str:
+    """Of every (source, compile flags) unit the library links, the link step, the compiler's
+    binaries and the CPU's features."""
+    h = hashlib.sha256()
+    for source, flags in units:
+        h.update(source.read_bytes())
+        h.update(" ".join((*compiler, *flags)).encode())
+    for header in sorted(_SOURCE_DIR.glob("*.h")):  # what the sources #include
+        h.update(header.read_bytes())
+    h.update(" ".join((*_LINK_FLAGS, *_LINK_LIBS)).encode())
     # The compiler's binaries themselves (an upgrade in place keeps the path), without running
     # them: every word of the command that names a program on the PATH.
     for word in compiler:
@@ -237,17 +255,21 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build(compiler: tuple[str, ...], flags: tuple[str, ...], source: Path,
+def _build(compiler: tuple[str, ...], units: tuple[tuple[Path, tuple[str, ...]], ...],
            library: Path) -> None:
-    """Compile and link in a temporary folder of this process, then rename into place."""
+    """Compile each unit and link them in a temporary folder of this process, then rename the
+    library into place."""
     library.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=library.parent, prefix=".build-") as tmp:
-        obj, out = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        out = Path(tmp) / "kernel.so"
         run = functools.partial(subprocess.run, check=True, capture_output=True, text=True,
                                 timeout=120)
-        run([*compiler, *flags, "-c", str(source), "-o", str(obj)])
-        run([*compiler, *_LINK_FLAGS, str(obj), "-o", str(out), *_LINK_LIBS])
+        objects = []
+        for source, flags in units:
+            objects.append(str(Path(tmp) / f"{source.stem}.o"))
+            run([*compiler, *flags, "-c", str(source), "-o", objects[-1]])
+        run([*compiler, *_LINK_FLAGS, *objects, "-o", str(out), *_LINK_LIBS])
         os.replace(out, library)
-    logger.info("built the CPU kernel %s in %.1f s (%s)", source.stem,
+    logger.info("built the CPU kernel %s in %.1f s (%s)", units[0][0].stem,
                 time.perf_counter() - start, library)

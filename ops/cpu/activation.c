@@ -6,6 +6,7 @@
  * (tests/test_cpu_kernels.py states the tolerance). The launcher (activation.py) checks
  * shapes, dtypes and strides.
  */
+#include "cpu_kernels.h"
 #include <math.h>
 #include <stdint.h>
 

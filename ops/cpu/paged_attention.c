@@ -15,6 +15,7 @@
  * can tell (a sequence id, a length, a block id, a query row) is checked here, per task: a task
  * that would read or write outside its buffers is skipped and counted, and the count returned.
  */
+#include "cpu_kernels.h"
 #include <math.h>
 #include <omp.h>
 #include <stddef.h>

@@ -34,6 +34,7 @@
  * Built without AVX-512 VNNI nothing runs: ``q4_gemv_is_vectorized`` says 0 and the launcher
  * keeps torch's kernel, which a scalar loop here would not beat. The launcher checks shapes.
  */
+#include "cpu_kernels.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,7 +43,7 @@
 #include <immintrin.h>
 #endif
 
-#define Q4_MAX_ROWS 8
+/* Q4_MAX_ROWS (8): cpu_kernels.h */
 #define GROUP 32
 #define LANES 16            /* groups a block */
 /* At most 8 lanes a row, so a tile is 2 rows or more: its lane sums are added up once for all

@@ -8,6 +8,7 @@
  * without contraction), so the result is the reference's up to the last bit of the scale.
  * The launcher (rms_norm.py) checks shapes, dtypes and strides.
  */
+#include "cpu_kernels.h"
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>

@@ -15,6 +15,7 @@
  * # NOTE: built with -ffp-contract=off: each product and sum rounds on its own, as torch's
  * separate multiply and add do, so the result is bit for bit the torch reference's.
  */
+#include "cpu_kernels.h"
 #include <stdint.h>
 #include <string.h>
 
