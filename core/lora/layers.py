@@ -73,7 +73,7 @@ class LoRAState:
         )
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
+    def side_stream(self) -> torch.cuda.Stream | None:
         """The stream a layer's shrink overlaps its base matmul on: only inside a CUDA graph
         capture (eager steps would pay the host cost of the stream switches) and unless
         BASTION_LORA_SIDE_STREAM=0."""
@@ -162,7 +162,7 @@ class LoRASlots:
         if not state.is_active:
             return base()
         h = state.h(x.shape[0], self.lora_a.shape[1])
-        side = state.side_stream(x)
+        side = state.side_stream()
         if side is None:
             y = base()
             lora_shrink(x, self.lora_a, state.index, h)

@@ -27,6 +27,14 @@ def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _base_matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A TP layer's own matmul (its ``quant_method``), with each row's LoRA delta added when
+    the layer has adapter slots (core/lora/layers.py)."""
+    if layer.lora is None:
+        return layer.quant_method.apply(layer, x, bias)
+    return layer.lora.apply(x, lambda: layer.quant_method.apply(layer, x, bias))
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not match the parameter's "
@@ -76,10 +84,7 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora is None:
-            y = self.quant_method.apply(self, x, self.bias)
-        else:
-            y = self.lora.apply(x, lambda: self.quant_method.apply(self, x, self.bias))
+        y = _base_matmul(self, x, self.bias)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -163,10 +168,7 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora is None:
-            y = self.quant_method.apply(self, x)
-        else:
-            y = self.lora.apply(x, lambda: self.quant_method.apply(self, x))
+        y = _base_matmul(self, x, None)  # the bias is added once, after the reduce
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
