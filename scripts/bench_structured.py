@@ -458,23 +458,20 @@ def sync_debug(on: bool):
         yield
         return
     sites: collections.Counter = collections.Counter()
-    shown = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1] if "bastion" in f.filename]
         sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:][::-1])
               or f"{filename}:{lineno}"] += 1
 
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # puts the filters and showwarning back on exit
             warnings.simplefilter("always")
             warnings.showwarning = record
             yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = shown
         print("synchronizing CUDA calls:", dict(sites.most_common(8)) or "none")
 
 
