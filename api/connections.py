@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import time
 from collections.abc import Awaitable
@@ -75,9 +76,10 @@ class BoundedTCPSite(web.TCPSite):
     """A ``TCPSite`` that answers connections beyond ``max_connections`` with a 503."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int,
-                 max_connections: int) -> None:
+                 max_connections: int, sock: socket.socket | None = None) -> None:
         super().__init__(runner, host, port)
         self.max_connections = max_connections
+        self._sock = sock
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
@@ -91,13 +93,19 @@ class BoundedTCPSite(web.TCPSite):
                 return _Refuse()
             return server()
 
-        self._server = await asyncio.get_running_loop().create_server(
-            protocol, self._host, self._port, backlog=self._backlog)
+        loop = asyncio.get_running_loop()
+        if self._sock is not None:
+            self._server = await loop.create_server(protocol, sock=self._sock,
+                                                    backlog=self._backlog)
+        else:
+            self._server = await loop.create_server(protocol, self._host, self._port,
+                                                    backlog=self._backlog)
 
 
-async def serve(app: web.Application, config: ApiConfig,
-                handle_signals: bool = False) -> web.AppRunner:
-    """Bind ``config.host:config.port`` and serve; ``await runner.cleanup()`` stops it.
+async def serve(app: web.Application, config: ApiConfig, handle_signals: bool = False,
+                sock: socket.socket | None = None) -> web.AppRunner:
+    """Serve on ``sock`` (bound, not yet listening) or else bind ``config.host:config.port``;
+    ``await runner.cleanup()`` stops it.
 
     NOTE: handler_cancellation=True is what turns a client disconnect during a non-streamed
     request into a CancelledError in its handler, and so into an engine abort.
@@ -110,7 +118,8 @@ async def serve(app: web.Application, config: ApiConfig,
         # as an idle connection (its own default is an hour).
         keepalive_timeout=config.http_header_timeout_s)
     await runner.setup()
-    await BoundedTCPSite(runner, config.host, config.port, config.max_connections).start()
+    await BoundedTCPSite(runner, config.host, config.port, config.max_connections,
+                         sock).start()
     return runner
 
 

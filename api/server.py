@@ -8,6 +8,7 @@ api/connections.py.
 
 from __future__ import annotations
 
+import socket
 import time
 
 from aiohttp import web
@@ -112,11 +113,12 @@ def build_app(client: EngineClient, config: ApiConfig,
     return app
 
 
-async def start_server(app: web.Application, config: ApiConfig,
-                       handle_signals: bool = False) -> web.AppRunner:
-    """Bind ``config.host:config.port`` and serve with the connection limits and timeouts of
-    ``config`` (api/connections.py); ``await runner.cleanup()`` stops it."""
-    return await serve(app, config, handle_signals)
+async def start_server(app: web.Application, config: ApiConfig, handle_signals: bool = False,
+                       sock: socket.socket | None = None) -> web.AppRunner:
+    """Serve on ``sock`` (bound, not listening) or else bind ``config.host:config.port``, with
+    the connection limits and timeouts of ``config`` (api/connections.py);
+    ``await runner.cleanup()`` stops it."""
+    return await serve(app, config, handle_signals, sock)
 
 
 __all__ = ["CONFIG_KEY", "STATE_KEY", "ApiConfig", "ServerState", "build_app",

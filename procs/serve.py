@@ -1,7 +1,7 @@
 """``bastion serve``: the API process (``bastion::api``) and the life of the whole server.
 
-Start-up: check the flags and that the port is free (a user error ends here, in a second,
-before anything loads), resolve the model and tokenizer, start the engine processes (each
+Start-up: check the flags and bind the port (a user error ends here, in a second, before
+anything loads; the bound port is held until HTTP serves on it), resolve the model and tokenizer, start the engine processes (each
 starts its workers), then serve HTTP on uvloop. SIGTERM/SIGINT: stop admitting, drain in-flight requests
 up to ``--drain-timeout``, stop the engines, exit 0; a second signal stops at once.
 """
@@ -90,16 +90,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            enable_auto_tool_choice=args.enable_auto_tool_choice,
                            tool_call_parser=args.tool_call_parser,
                            reasoning_parser=args.reasoning_parser)
-    error = port_in_use(args.host, args.port) or lora_modules_error(config.lora.lora_modules)
+    error = lora_modules_error(config.lora.lora_modules)
     if error is not None:
         raise UserError(error)
+    sock = reserve_port(args.host, args.port)
+    if isinstance(sock, str):
+        raise UserError(sock)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         logger.warning("uvloop is not installed; using asyncio's default loop")
-    return asyncio.run(Server(args, config, api_config).run())
+    return asyncio.run(Server(args, config, api_config, sock).run())
 
 
 def lora_modules_error(values: tuple[str, ...]) -> str | None:
@@ -116,27 +119,31 @@ def lora_modules_error(values: tuple[str, ...]) -> str | None:
     return None
 
 
-def port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be served (taken, or no such address), or None when it can.
+def reserve_port(host: str, port: int) -> socket.socket | str:
+    """A socket bound to ``host:port`` and not yet listening, held from before the model loads
+    until the API serves on it; or why the address cannot be served (taken, or not ours).
 
-    NOTE: checked before the model loads, so a taken port costs a second, not a load; the
-    port can still be taken in between, and then the bind after loading fails."""
+    NOTE: bound before anything else starts, as vLLM does: a port merely checked here could be
+    taken while the model loads (an ephemeral port of one of the server's own connections, say)
+    and the bind after loading would fail. Until ``listen`` a client's connect is refused, as
+    when nothing is bound."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         return f"--host {host!r} is not an address of this machine ({exc.strerror})"
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        # As aiohttp binds: SO_REUSEADDR, so a port in TIME_WAIT counts as free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return (f"port {port} on {host} is already in use (another server?); "
-                        "stop it or pick another --port")
-            return f"cannot listen on {host}:{port}: {exc.strerror}"
-    return None
+    sock = socket.socket(family, kind, proto)
+    # As aiohttp binds: SO_REUSEADDR, so a port in TIME_WAIT counts as free.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            return (f"port {port} on {host} is already in use (another server?); "
+                    "stop it or pick another --port")
+        return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return sock
 
 
 def served_model_names(config: EngineConfig, resolved: ResolvedModel) -> tuple[str, ...]:
@@ -156,8 +163,9 @@ def served_model_names(config: EngineConfig, resolved: ResolvedModel) -> tuple[s
 
 class Server:
     def __init__(self, args: argparse.Namespace, config: EngineConfig,
-                 api_config: ApiConfig) -> None:
+                 api_config: ApiConfig, sock: socket.socket) -> None:
         self.args = args
+        self.sock = sock
         self.config = config
         self.api_config = api_config
         # Children must not inherit NOTIFY_SOCKET: only this process speaks to systemd.
@@ -208,7 +216,7 @@ class Server:
             await self._load_lora_modules(app)
             from bastion.api.server import CONFIG_KEY, start_server
 
-            runner = await start_server(app, app[CONFIG_KEY])
+            runner = await start_server(app, app[CONFIG_KEY], sock=self.sock)
             logger.info("serving %s on http://%s:%d", model_name, self.args.host, self.args.port)
             self.notifier.ready()
             self.notifier.status("serving")
@@ -221,6 +229,7 @@ class Server:
             self.notifier.stopping()
             if runner is not None:
                 await runner.cleanup()
+            self.sock.close()
             await client.shutdown()
             remove_runtime_dir(runtime_dir)
             logger.info("stopped (exit code %d)", self.exit_code)

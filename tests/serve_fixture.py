@@ -54,9 +54,18 @@ def dp_base_port() -> int:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below the ephemeral range (10000-19999): a port the kernel hands out as some
+    connection's local port (bind to 0) can be taken again by the next connection before the
+    server binds it; this range is taken only by explicit binds."""
+    for _ in range(200):
+        port = random.randrange(10000, 20000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 10000-19999")
 
 
 def _ppid(pid: int) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from bastion.core.config import (
     gpu_name_and_memory,
 )
 from bastion.procs.cli import build_parser, engine_kwargs, main, no_effect_notes, parse_args
+from serve_fixture import free_port
 
 
 def test_generate_prints_the_greedy_completion_and_logs_its_load(embedded_llm):
@@ -129,6 +131,30 @@ def test_a_taken_port_fails_before_the_model_loads(quiet_serve, capsys):
         assert main(["serve", "--port", str(port)]) == 2
     assert capsys.readouterr().err == (f"bastion: error: port {port} on 127.0.0.1 is already in "
                                        "use (another server?); stop it or pick another --port\n")
+
+
+def test_the_port_is_held_from_before_the_model_loads(quiet_serve, monkeypatch):
+    """Bound before anything loads and held (not listening) until HTTP serves on it: nothing,
+    an ephemeral port of the server's own connections included, can take it meanwhile."""
+    port = free_port()
+    seen = {}
+
+    class HoldsThePort:
+        def __init__(self, args, config, api_config, sock):
+            seen["bound"] = sock.getsockname()
+
+        async def run(self):
+            with socket.socket() as other:
+                with pytest.raises(OSError) as taken:
+                    other.bind(("127.0.0.1", port))
+                seen["errno"] = taken.value.errno
+            with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+                client.connect(("127.0.0.1", port))
+            return 0
+
+    monkeypatch.setattr("bastion.procs.serve.Server", HoldsThePort)
+    assert main(["serve", "--port", str(port)]) == 0
+    assert seen == {"bound": ("127.0.0.1", port), "errno": errno.EADDRINUSE}
 
 
 def test_debug_level_adds_the_traceback(quiet_serve, capsys):
