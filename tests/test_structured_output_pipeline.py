@@ -398,3 +398,7 @@ def test_bitmask_rows_follow_the_logits_order_when_every_row_has_a_grammar():
     apply_token_bitmask_reference(reference, bitmask, [2, 0, 1])
     assert torch.equal(out, reference)
     assert [torch.isfinite(row).nonzero().flatten().tolist() for row in out] == [[1], [36], [0]]
+    # Every logits row the message's, in its order: one mask over the whole tensor.
+    out = logits.clone()
+    apply_grammar_bitmask(out, msg, {"a": 0, "b": 1, "c": 2})
+    assert [torch.isfinite(row).nonzero().flatten().tolist() for row in out] == [[0], [1], [36]]

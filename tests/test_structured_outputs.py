@@ -265,7 +265,7 @@ def test_a_failed_compile_is_an_error_output_and_frees_the_request():
 
 
 def test_bitmask_masks_exactly_its_rows_and_bits():
-    """xgrammar's kernel, as the runner calls it, against the torch reference: rows mapped by
+    """The CPU path, as the runner calls it, against the torch reference: rows mapped by
     request id, rows of other requests untouched."""
     logits = torch.randn(3, 40)
     bitmask = torch.zeros(3, 2, dtype=torch.int32)
