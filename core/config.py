@@ -185,7 +185,10 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """``cpu_threads``: torch threads per worker on the CPU; None: ``cpu_threads_per_worker``'s
-    share of the cores this process may use."""
+    share of the cores this process may use. ``distributed_executor_backend`` (offline ``LLM``,
+    as vLLM's): ``uni`` runs the one worker in the engine's process, ``mp`` runs worker
+    processes; None: ``uni`` for one device, ``mp`` for more. A server always runs worker
+    processes."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -195,10 +198,17 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     distributed_timeout_s: float = 30.0
     cpu_threads: int | None = None
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and data_parallel_size must be positive")
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ConfigError(f"distributed_executor_backend must be 'uni' or 'mp'; got "
+                              f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ConfigError("distributed_executor_backend 'uni' runs one worker; "
+                              f"tensor_parallel_size is {self.tensor_parallel_size}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be positive; got {self.cpu_threads}")
         if self.data_parallel_rank is not None and not (

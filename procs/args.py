@@ -26,7 +26,8 @@ from bastion.core.config import (
 
 _ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig,
                    FaultToleranceConfig, LoRAConfig)
-_SKIP = {"hf_overrides", "device"}
+# distributed_executor_backend: the offline LLM's; the CLI takes vLLM's flag with no effect.
+_SKIP = {"hf_overrides", "device", "distributed_executor_backend"}
 # vLLM's other spellings of bastion's flags.
 _ALIASES = {"policy": ("--scheduling-policy",), "tensor_parallel_size": ("-tp",),
             "data_parallel_size": ("-dp",), "data_parallel_rank": ("-dpr",)}

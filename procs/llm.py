@@ -67,8 +67,12 @@ class LLM:
         logger.info("LLM ready in %.1f s", time.perf_counter() - start)
 
     def _make_executor(self) -> Executor:
-        """In this process for one device; worker processes (one per TP rank) otherwise."""
-        if self.config.parallel.tensor_parallel_size == 1:
+        """In this process for one device; worker processes (one per TP rank) otherwise, or
+        when ``distributed_executor_backend="mp"``."""
+        parallel = self.config.parallel
+        backend = parallel.distributed_executor_backend or (
+            "uni" if parallel.tensor_parallel_size == 1 else "mp")
+        if backend == "uni":
             return UniProcExecutor(self.config)
         from bastion.procs.executor import MultiprocExecutor
         from bastion.procs.lifecycle import make_runtime_dir

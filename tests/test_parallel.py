@@ -105,6 +105,29 @@ def test_head_count_that_does_not_divide_fails_at_startup() -> None:
     assert time.monotonic() - start < 30  # before any worker loads a model
 
 
+def test_mp_backend_runs_one_worker_process_with_the_in_process_tokens(tmp_path) -> None:
+    path = save_tiny("qwen3", tmp_path)
+    with LLM(path, skip_tokenizer_init=True, **SMALL_KV) as llm:
+        assert not isinstance(llm.engine.executor, MultiprocExecutor)
+        expected = greedy_tokens(llm, as_id_prompts(TINY_PROMPTS))
+    with LLM(path, skip_tokenizer_init=True, distributed_executor_backend="mp",
+             **SMALL_KV) as llm:
+        executor = llm.engine.executor
+        assert isinstance(executor, MultiprocExecutor) and len(executor.workers) == 1
+        assert executor.workers[0].proc.poll() is None  # its own process, running
+        assert greedy_tokens(llm, as_id_prompts(TINY_PROMPTS)) == expected
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"distributed_executor_backend": "ray"}, "must be 'uni' or 'mp'; got 'ray'"),
+    ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2},
+     "'uni' runs one worker; tensor_parallel_size is 2"),
+])
+def test_executor_backends_that_cannot_run_are_refused(kwargs, error) -> None:
+    with pytest.raises(ConfigError, match=error):
+        build_engine_config("llm", **kwargs)
+
+
 def test_tiny_qwen3_tp2_matches_single_process(tmp_path, monkeypatch) -> None:
     path = save_tiny("qwen3", tmp_path)
     with LLM(path, skip_tokenizer_init=True, **SMALL_KV) as llm:
