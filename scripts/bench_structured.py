@@ -348,9 +348,16 @@ def main() -> None:
     p.add_argument("--fill-in-background", choices=("auto", "yes", "no"), default="auto",
                    help="the engine fills bitmasks on a thread of its own (auto: with more "
                         "than one core)")
+    p.add_argument("--fill-threads", type=int, default=None,
+                   help="xgrammar threads one large fill is split over (default: half the "
+                        "cores this process may run on, at most 8)")
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="no model: a simulated device whose forward takes this long (the "
                         "Qwen3-0.6B config's vocabulary, stand-in tokens)")
+    p.add_argument("--executor", choices=("uni", "mp"), default="uni",
+                   help="uni: the worker in the engine's process (the offline LLM's default); "
+                        "mp: a worker process, as a server runs it (its host work then no longer "
+                        "shares the engine's interpreter)")
     p.add_argument("--breakdown", action="store_true",
                    help="also the engine thread's host time per step by part (median ms)")
     p.add_argument("--cprofile", type=int, default=None, metavar="BATCH",
@@ -378,15 +385,20 @@ def main() -> None:
         dummy = args.load_format == "dummy"
         llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
                   device=args.device, max_model_len=512, max_num_seqs=max_num_seqs,
-                  skip_tokenizer_init=dummy)
+                  skip_tokenizer_init=dummy, distributed_executor_backend=args.executor)
         engine, eos_token_id, device = llm.engine, llm.eos_token_id, args.device
         if dummy:
-            vocab_size = engine.executor.runner.vocab_size
+            from bastion.core.loader import resolve_model
+
+            vocab_size = resolve_model(llm.config.model).hf_config.vocab_size
             engine.structured_output.use_tokenizer(stand_in_vocabulary(vocab_size,
                                                                        args.tokenizer))
             eos_token_id = vocab_size - 1
-        title = f"{args.model or 'embedded SmolLM2-135M'} on {args.device}, {args.dtype}"
+        title = (f"{args.model or 'embedded SmolLM2-135M'} on {args.device}, {args.dtype}, "
+                 f"executor {args.executor}")
         shutdown = llm.shutdown
+    if args.fill_threads is not None:
+        engine.structured_output._max_fill_threads = args.fill_threads
     if args.fill_in_background != "auto":
         engine.structured_output.fill_in_background = args.fill_in_background == "yes"
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
