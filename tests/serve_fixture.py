@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 # Small enough to start fast on a 2-core CPU; the KV budget is 256 MiB (364 blocks of 16).
@@ -38,34 +39,37 @@ _DP_BASES = list(range(20000, 32000, 150))
 _dp_next = random.randrange(len(_DP_BASES))
 
 
-def dp_base_port() -> int:
-    """The next base port whose own port is free (another program may hold one)."""
-    global _dp_next
-    for _ in range(len(_DP_BASES)):
-        base = _DP_BASES[_dp_next % len(_DP_BASES)]
-        _dp_next += 1
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", base))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no free DP base port in 20000-32000")
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range (10000-19999): a port the kernel hands out as some
-    connection's local port (bind to 0) can be taken again by the next connection before the
-    server binds it; this range is taken only by explicit binds."""
-    for _ in range(200):
-        port = random.randrange(10000, 20000)
+def _first_bindable(ports: Iterable[int]) -> int | None:
+    """The first of ``ports`` that 127.0.0.1 can bind now (released again at once)."""
+    for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
         return port
-    raise RuntimeError("no free port in 10000-19999")
+    return None
+
+
+def dp_base_port() -> int:
+    """The next base port whose own port is free (another program may hold one)."""
+    global _dp_next
+    base = _first_bindable(_DP_BASES[(_dp_next + i) % len(_DP_BASES)]
+                           for i in range(len(_DP_BASES)))
+    if base is None:
+        raise RuntimeError("no free DP base port in 20000-32000")
+    _dp_next = _DP_BASES.index(base) + 1
+    return base
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range (10000-19999): a port the kernel hands out as some
+    connection's local port (bind to 0) can be taken again by the next connection before the
+    server binds it; this range is taken only by explicit binds."""
+    port = _first_bindable(random.randrange(10000, 20000) for _ in range(200))
+    if port is None:
+        raise RuntimeError("no free port in 10000-19999")
+    return port
 
 
 def _ppid(pid: int) -> int | None:
