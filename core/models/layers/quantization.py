@@ -136,9 +136,13 @@ class Int4WeightOnlyMethod(_WeightOnlyMethod):
         self.q4 = quant_gemv4.pack_q4(codes, scale, zero) if quant_gemv4.is_available() else None
         self.q4_levels = envs.get("BASTION_CPU_INT4_LEVELS")  # read once: 120 calls a token
         self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-        # The kernel's own arithmetic: float32 from the bfloat16 scale and zero, rounded once.
-        expand = lambda t: t.float().repeat_interleave(INT4_GROUP_SIZE, dim=1)
-        self.dense = ((codes.float() - 8) * expand(scale) + expand(zero)).to(torch.bfloat16)
+        # The kernel's own arithmetic: float32 from the bfloat16 scale and zero, rounded once;
+        # each group's scale and zero broadcast over its 32 columns (no expanded copies: this
+        # runs for every layer at every load, a restart's included).
+        groups = (n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        dense = codes.reshape(groups).to(torch.float32) - 8
+        dense.mul_(scale.float()[..., None]).add_(zero.float()[..., None])
+        self.dense = dense.view(n, k).to(torch.bfloat16)
 
     def _decode_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
         if self.q4 is None or not quant_gemv4.can_run(rows):
