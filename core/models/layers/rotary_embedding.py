@@ -7,8 +7,8 @@ Supports the rope types the supported models use: ``default``, ``linear`` and ``
 
 from __future__ import annotations
 
-import functools
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -44,7 +44,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
-@functools.lru_cache(maxsize=8)
+# The tables the live models use, by their parameters (an entry goes with its last model).
+_TABLES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 def _cos_sin_cache(rotary_dim: int, max_position: int, base: float, rope_type: str,
                    scaling_items: tuple[tuple[str, Any], ...], device: str) -> torch.Tensor:
     """float32 [max_position, rotary_dim] on ``device`` (the default device, where the caller
@@ -80,9 +83,14 @@ class RotaryEmbedding(nn.Module):
                tuple(sorted((scaling or {}).items(), key=lambda kv: kv[0])),
                str(torch.get_default_device()))  # a model built under a device context
         try:
-            cache = _cos_sin_cache(*key)
+            cache = _TABLES.get(key)
+            shared = True
         except TypeError:  # a scaling value that cannot be a key (a list): built for this one
-            cache = _cos_sin_cache.__wrapped__(*key)
+            cache, shared = None, False
+        if cache is None:
+            cache = _cos_sin_cache(*key)
+            if shared:
+                _TABLES[key] = cache
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
