@@ -14,8 +14,10 @@ pair runs in its own process, so thread pools never mix. The last rows are the i
 figures, and each bastion cell says how far it is from the one of its thread count.
 
 Engines (``--engines``; the default is ``bastion`` alone): bastion's ``LLM`` with its CPU default
-(GGUF weights kept quantized, float32 activations, the C kernels of ops/cpu), ``bastion-ref``
-(the same with ``BASTION_CPU_KERNELS=0``: the torch references, for an A/B of the kernels),
+(GGUF weights kept quantized, float32 activations, the C kernels of ops/cpu), ``bastion-served``
+(the same default behind ``bastion serve``, ``--cpu-threads`` threads in its worker, each batch
+as concurrent ``/v1/completions`` requests), ``bastion-ref``
+(the offline default with ``BASTION_CPU_KERNELS=0``: the torch references, for an A/B of the kernels),
 ``bastion-f32`` (``--dtype float32``, the dequantized path); transformers ``generate`` in float32
 (batch 16 with left padding); llama.cpp through ``llama-cpp-python`` when it is installed (batch
 1 only: its Python API decodes one sequence; a printed note otherwise). Each extra engine adds
@@ -38,7 +40,8 @@ import subprocess
 import sys
 import time
 
-ENGINES = ("bastion", "bastion-ref", "bastion-f32", "transformers", "llama.cpp")
+ENGINES = ("bastion", "bastion-served", "bastion-ref", "bastion-f32", "transformers",
+           "llama.cpp")
 # The issue's llama.cpp figures (tok/s), by threads: batch 1 (llama-cli), batch 16 (llama-server,
 # 16 slots).
 LLAMA_CPP_ISSUE = {1: {1: 63.9, 16: 66.2}, 2: {1: 95.9, 16: 119.8}}
@@ -105,6 +108,75 @@ def run_bastion(
     return rows
 
 
+def run_bastion_served(threads: int, batches: list[int], new_tokens: int,
+                       repeats: int) -> list[dict]:
+    """``bastion serve`` with its CPU default (``--cpu-threads`` threads in the worker), each
+    batch as that many concurrent ``/v1/completions`` requests of token ids; the time is from
+    the first request sent to the last response read."""
+    import re
+    import socket
+    import tempfile
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    with socket.socket() as sock:  # a free port, held by nobody once the server binds it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bastion.procs.cli", "serve", "--served-model-name", "m",
+         "--port", str(port), "--max-model-len", "512", "--no-enable-prefix-caching",
+         "--cpu-threads", str(threads)], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"bastion serve did not start; log {log.name}") from None
+                time.sleep(0.5)
+
+        def complete(prompt: list[int], max_tokens: int) -> None:
+            body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                               "temperature": 0, "ignore_eos": True}).encode()
+            req = urllib.request.Request(base + "/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                usage = json.loads(resp.read())["usage"]
+            if usage["completion_tokens"] != max_tokens:
+                raise RuntimeError(f"asked {max_tokens} tokens, got {usage}")
+
+        rows = []
+        with ThreadPoolExecutor(max(batches)) as pool:
+            for batch in batches:
+                prompts = workload(batch)
+
+                def run(prompts=prompts, n=new_tokens) -> None:
+                    list(pool.map(lambda p: complete(p, n), prompts))
+
+                seconds = _timed(run, repeats, lambda p=prompts: run(p, 8))
+                rows.append({"batch": batch, "tok_s": batch * new_tokens / seconds})
+        log.seek(0)
+        text = log.read()
+        mb = re.search(r"([\d.]+) MB read per decode step", text)
+        path = re.search(r"CPU kernels: ([^(\n]+)", text)
+        for row in rows:
+            row["bytes_per_step"] = float(mb.group(1)) * 1e6 if mb else float("nan")
+            row["cpu_path"] = path.group(1).strip() if path else "-"
+        return rows
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+        os.unlink(log.name)
+
+
 def run_transformers(threads: int, batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -169,7 +241,9 @@ def run_llama_cpp(threads: int, batches: list[int], new_tokens: int, repeats: in
 
 
 def worker(engine: str, threads: int, batches: list[int], new_tokens: int, repeats: int) -> None:
-    if engine.startswith("bastion"):
+    if engine == "bastion-served":
+        rows = run_bastion_served(threads, batches, new_tokens, repeats)
+    elif engine.startswith("bastion"):
         dtype = "float32" if engine == "bastion-f32" else "auto"
         rows = run_bastion(dtype, threads, batches, new_tokens, repeats)
     elif engine == "transformers":
