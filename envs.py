@@ -78,6 +78,12 @@ VARIABLES: dict[str, EnvVar] = {
         True, _flag, "0: the decode step's Triton kernels (norms, matrix-vector products, "
         "rotary, attention, MoE routing and experts) launch without programmatic dependent "
         "launch (ops/triton/pdl.py)"),
+    "BASTION_PDL_EARLY": EnvVar(
+        True, _flag, "0: a decode kernel lets the next one launch only after its own wait "
+        "(one kernel of overlap) instead of as it starts (ops/triton/pdl.py)"),
+    "BASTION_L2_PREFETCH": EnvVar(
+        True, _flag, "0: the decode step's matrix-vector kernels (and the MoE down kernel) do "
+        "not prefetch their weight tiles into L2 before their wait (ops/triton/pdl.py)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

@@ -831,6 +831,60 @@ def test_gpu_gemv_decode_rows_bf16(rows: int) -> None:
 
 @gpu
 @requires_cuda
+def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four MoE decoder layers' kernels for one token (norm, QKV-sized and o-sized products,
+    norm, float32 router, routing, both expert kernels), distinct weights per layer, replayed
+    from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
+    next after its wait, and releasing it as it starts with the weight tiles prefetched into
+    L2 (ops/triton/pdl.py) give the same bits: only when kernels start may change."""
+    from bastion.ops.linear import gemv
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    hidden, num_experts, inter, top_k = 2048, 128, 768, 8
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=dev, generator=gen) / shape[-1] ** 0.5).bfloat16()
+
+    layers = [dict(norm=rand(hidden) + 1, qkv=rand(5120, hidden), o=rand(hidden, 4096),
+                   norm2=rand(hidden) + 1, router=rand(num_experts, hidden),
+                   w13=rand(num_experts, 2 * inter, hidden), w2=rand(num_experts, hidden, inter))
+              for _ in range(4)]
+    x0 = torch.randn(1, hidden, device=dev, generator=gen).bfloat16()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        res = torch.zeros_like(x)
+        for w in layers:
+            h, res = fused_add_rms_norm_triton(x, res, w["norm"], 1e-6)
+            qkv = gemv(h, w["qkv"])
+            o = gemv(qkv[:, :4096].contiguous(), w["o"])
+            h, res = fused_add_rms_norm_triton(o, res, w["norm2"], 1e-6)
+            weights, ids = moe_routing_triton(gemv(h, w["router"], out_dtype=torch.float32),
+                                              top_k, True)
+            x = fused_moe_triton(h, w["w13"], w["w2"], weights, ids)
+        return x + res
+
+    outs = {}
+    for mode in ("off", "late", "early+prefetch"):
+        monkeypatch.setenv("BASTION_PDL", "0" if mode == "off" else "1")
+        monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
+        monkeypatch.setenv("BASTION_L2_PREFETCH", "1")
+        static = x0.clone()
+        step(static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(static)
+        for _ in range(3):
+            graph.replay()
+        outs[mode] = out.clone()
+    assert torch.isfinite(outs["off"]).all()
+    assert torch.equal(outs["late"], outs["off"])
+    assert torch.equal(outs["early+prefetch"], outs["off"])
+
+
+@gpu
+@requires_cuda
 def test_gpu_attention_mixed_prefill_qwen3_shape() -> None:
     q_lens = [512, 300, 1, 1, 77, 1]
     ctx_lens = [0, 700, 1000, 5, 64, 3000]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 
 @triton.jit
@@ -59,6 +59,7 @@ def _merge_attention_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
     wait_for_previous(USE_PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -102,5 +103,5 @@ def merge_attention_splits_triton(
         out, part_out, part_ml, query_start_loc, num_seqs, num_heads,
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, USE_PDL=pdl,
-        num_warps=4 if head_pad >= 128 else 2, launch_pdl=pdl,
+        num_warps=4 if head_pad >= 128 else 2, launch_pdl=bool(pdl),
     )  # fmt: skip

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 
 class AddRMSNormOutput(NamedTuple):
@@ -30,6 +30,7 @@ def _fused_add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -71,6 +72,6 @@ def fused_add_rms_norm_triton(
     _fused_add_rms_norm_kernel[(num_tokens,)](
         out, new_residual, x, residual, weight, x.stride(0), residual.stride(0), eps,
         HIDDEN=hidden, BLOCK=block, USE_PDL=pdl, num_warps=min(16, max(1, block // 256)),
-        launch_pdl=pdl,
+        launch_pdl=bool(pdl),
     )  # fmt: skip
     return AddRMSNormOutput(out, new_residual)

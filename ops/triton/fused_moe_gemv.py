@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import (prefetch_l2, prefetch_lanes, release_early, use_pdl,
+                                   use_prefetch, wait_for_previous)
 
 
 @triton.jit
@@ -47,7 +48,8 @@ def _moe_gemv_up_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)  # the routing's ids
+    # Released only after the wait: the down kernel reads the routing's ids before its own.
+    wait_for_previous(USE_PDL, RELEASE=True)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
     if (expert < 0) | (expert >= num_local):
@@ -100,7 +102,11 @@ def _moe_gemv_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    W_BYTES: tl.constexpr,
+    LINES: tl.constexpr,
 ):
+    release_early(USE_PDL)
     # The token's k experts form the leading dim of one [k, BLOCK_N, BLOCK_K] tile, so every
     # step of the K loop has all k experts' loads in flight at once (a loop over the experts
     # would wait on each expert's bytes in turn).
@@ -115,6 +121,14 @@ def _moe_gemv_down_kernel(
     expert = tl.where(local, expert, 0)
     weight = tl.load(weights_ptr + pair, mask=local, other=0.0).to(tl.float32)
     k_end = tl.where(local, K, 0)  # no column of a pair on no local expert is read
+    if PREFETCH:  # each local expert's [BLOCK_N, K] rows into L2 while the up kernel runs
+        n0 = tl.program_id(1) * BLOCK_N
+        num_bytes = ((tl.minimum(N - n0, BLOCK_N) - 1) * stride_wn + K) * W_BYTES
+        for j in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + token * TOP_K + j).to(tl.int64) - expert_offset
+            if (e >= 0) & (e < num_local):
+                prefetch_l2(w2_ptr + e * stride_we + n0.to(tl.int64) * stride_wn, num_bytes,
+                            LINES)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (w2_ptr + expert[:, None, None] * stride_we
               + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :])
@@ -166,11 +180,12 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl,
-        num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=pdl)
+        num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=bool(pdl))
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down["BLOCK_SIZE_N"],
-        BLOCK_K=down["BLOCK_SIZE_K"], USE_PDL=pdl, num_warps=down["num_warps"],
-        num_stages=down["num_stages"], launch_pdl=pdl)
+        BLOCK_K=down["BLOCK_SIZE_K"], USE_PDL=pdl, PREFETCH=use_prefetch(hidden.device),
+        W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]),
+        num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out

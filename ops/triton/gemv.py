@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import (prefetch_l2, prefetch_lanes, release_early, use_pdl,
+                                   use_prefetch, wait_for_previous)
 
 
 @triton.jit
@@ -35,7 +36,11 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    W_BYTES: tl.constexpr,
+    LINES: tl.constexpr,
 ):
+    release_early(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,8 +48,13 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    # The first K step is peeled: its weights are read before the wait for the kernel that
-    # writes x (ops/triton/pdl.py), while that kernel drains.
+    # Before the wait for the kernel that writes x (ops/triton/pdl.py): the program's whole
+    # weight tile is asked of L2, and the first K step (peeled) read.
+    if PREFETCH:
+        n0 = tl.program_id(0) * BLOCK_N
+        rows = tl.minimum(N - n0, BLOCK_N)
+        prefetch_l2(w_ptr + n0.to(tl.int64) * stride_wn, ((rows - 1) * stride_wn + K) * W_BYTES,
+                    LINES)
     if EVEN_K:
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
     else:
@@ -88,10 +98,11 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if m == 0:
         return y
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
-    pdl = use_pdl(x.device)
+    pdl, warps = use_pdl(x.device), config["num_warps"]
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
-        num_warps=config["num_warps"], launch_pdl=pdl)
+        PREFETCH=use_prefetch(x.device), W_BYTES=weight.element_size(),
+        LINES=prefetch_lanes(warps), num_warps=warps, launch_pdl=bool(pdl))
     return y

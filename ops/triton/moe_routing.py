@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 
 @triton.jit
@@ -31,6 +31,7 @@ def _moe_routing_kernel(
     BLOCK_T: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
     wait_for_previous(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -90,5 +91,5 @@ def moe_routing_triton(router_logits: torch.Tensor, top_k: int, renormalize: boo
         NUM_EXPERTS=num_experts, BLOCK_E=block_e, TOP_K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         HAS_NUM_REAL=num_real is not None, BLOCK_T=block_t, USE_PDL=pdl,
-        num_warps=num_warps, launch_pdl=pdl)
+        num_warps=num_warps, launch_pdl=bool(pdl))
     return weights, ids

@@ -8,12 +8,19 @@ kernel (weights, the step's staged metadata) meanwhile, and waits (``wait_for_pr
 before it reads that kernel's output. Captured into a CUDA graph the dependency stays a
 programmatic edge.
 
-The rule every kernel here keeps, so that each may prefetch across one boundary safely:
-- it waits before it reads the output of the kernel before it, and it lets the kernel after
-  it launch only once it has waited (``gdc_launch_dependents`` right after ``gdc_wait``), so
-  a kernel's pre-wait reads of the outputs of the kernel *two* before it are safe as well;
-- every program waits before it ends, or at least program 0 does (a grid must not end before
-  the one before it, or a wait behind it would return early).
+When a kernel lets the one after it launch is what the chain can prefetch across:
+- late (``BASTION_PDL_EARLY=0``): a kernel lets the next launch once it has waited itself
+  (``gdc_launch_dependents`` right after ``gdc_wait``), so a grid starts at most one kernel
+  early, and its pre-wait reads of the outputs of the kernel *two* before it are safe;
+- early (the default): every kernel lets the next launch as it starts (``release_early``), so
+  the grids of a run of short kernels start together and each weight-bound kernel among them
+  pulls its whole weight tile into L2 (``prefetch_l2``) while the latency-bound ones before it
+  run: the o-projection's 17 MB while rotary and attention run, the next layer's QKV while
+  the experts stream. Only the MoE up kernel releases late: the down kernel after it reads the
+  routing's ids before its wait. A kernel released early therefore reads nothing before its
+  wait but weights and the step's staged metadata (written before the graph runs);
+- in both, every program waits before it ends, or at least program 0 does (a grid must not
+  end before the one before it, or a wait behind it would return early).
 
 A kernel launched without the attribute (cuBLAS, torch's own) starts only once the one
 before it has ended, as usual; ``gdc_wait`` with no programmatic predecessor returns at once.
@@ -36,16 +43,53 @@ except ImportError:  # a Triton without the intrinsics: no kernel asks for them
 
 
 @triton.jit
-def wait_for_previous(USE_PDL: tl.constexpr):
-    """Wait for the kernel before this one (its writes visible), then let the next launch."""
-    if USE_PDL:
-        gdc_wait()
+def release_early(USE_PDL: tl.constexpr):
+    """At a kernel's start: let the next kernel launch now (early mode, ``USE_PDL == 2``)."""
+    if USE_PDL == 2:
         gdc_launch_dependents()
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether decode kernels on ``device`` launch with programmatic dependent launch."""
-    return gdc_wait is not None and envs.get("BASTION_PDL") and supports_pdl(device)
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = False):
+    """Wait for the kernel before this one (its writes visible); in late mode (or with
+    ``RELEASE``, for a kernel whose successor reads before its wait) let the next launch."""
+    if USE_PDL:
+        gdc_wait()
+        if (USE_PDL == 1) | RELEASE:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(base_ptr, num_bytes, LINES: tl.constexpr):
+    """Ask L2 for ``num_bytes`` from ``base_ptr`` (any pointer type), one ``prefetch`` per
+    128-byte line over ``LINES`` lanes (a power of two; each lane takes every LINES-th line).
+    A hint: nothing waits for it and nothing is read into registers."""
+    base = base_ptr.to(tl.pointer_type(tl.int8))
+    lane = tl.arange(0, LINES).to(tl.int64) * 128
+    last = num_bytes - 1
+    for start in range(0, num_bytes, LINES * 128):
+        offs = tl.minimum(start + lane, last)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [base + offs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def use_pdl(device: torch.device) -> int:
+    """How decode kernels on ``device`` launch: 0 without programmatic dependent launch,
+    1 letting the next kernel launch after their wait, 2 as they start (see the module)."""
+    if gdc_wait is None or not envs.get("BASTION_PDL") or not supports_pdl(device):
+        return 0
+    return 2 if envs.get("BASTION_PDL_EARLY") else 1
+
+
+def use_prefetch(device: torch.device) -> bool:
+    """Whether weight-bound decode kernels prefetch their weights into L2 before their wait
+    (only worth it when the kernels before them let them start early)."""
+    return use_pdl(device) == 2 and envs.get("BASTION_L2_PREFETCH")
+
+
+def prefetch_lanes(num_warps: int) -> int:
+    """One prefetch lane per thread of a program."""
+    return 32 * num_warps
 
 
 @functools.cache

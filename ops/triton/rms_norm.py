@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 
 @triton.jit
@@ -22,6 +22,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
     # Row r of the [R, NUM_INNER, HIDDEN] input: outer index r // NUM_INNER, inner r % NUM_INNER
     # (per-head q/k norms read the heads of a fused qkv row in place, without a copy).
     row = tl.program_id(0).to(tl.int64)
@@ -63,6 +64,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
         out, x3, weight, x3.stride(0), x3.stride(1), eps,
         NUM_INNER=x3.shape[1], HIDDEN=hidden, BLOCK=block, USE_PDL=pdl,
-        num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,
+        num_warps=min(16, max(1, block // 256)), launch_pdl=bool(pdl),
     )  # fmt: skip
     return out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 
 class RotaryOutput(NamedTuple):
@@ -103,6 +103,7 @@ def _rotary_kernel(
     BLOCK_SIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
     # Positions, cos/sin and the norm weights are read before the wait for the kernel that
     # wrote q, k and v (the QKV projection).
     tok = tl.program_id(0).to(tl.int64)
@@ -260,6 +261,6 @@ def apply_rotary_emb_triton(
             PASS_PAD=pass_pad, PASS_ARANGE=max(pass_pad, 1),
             DIM_PAD=triton.next_power_of_2(head_size),
             IS_NEOX=is_neox_style, NORM=norm, STORE=store, BLOCK_SIZE=block_size,
-            USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+            USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
         )  # fmt: skip
     return RotaryOutput(q_out.view(query.shape), k_out.view(key.shape))

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 
 @triton.jit
@@ -19,6 +19,7 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -45,6 +46,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     pdl = use_pdl(x.device)
     _silu_and_mul_kernel[grid](
         out, x, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, USE_PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        launch_pdl=bool(pdl),
     )
     return out

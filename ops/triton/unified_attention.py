@@ -26,7 +26,7 @@ from triton.runtime.errors import OutOfResources
 
 from bastion import envs
 from bastion.ops.triton.attention_reduce import merge_attention_splits_triton, merge_splits
-from bastion.ops.triton.pdl import use_pdl, wait_for_previous
+from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 if TYPE_CHECKING:
     from bastion.ops.attention_metadata import AttentionMetadata
@@ -125,6 +125,7 @@ def _unified_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
     # NOTE: at the very start, so every program waits (most of a decode grid's may exit below).
     wait_for_previous(USE_PDL)
     q_block_id = tl.program_id(0)
@@ -341,7 +342,7 @@ def _launch(grid: tuple[int, int, int], config: KernelConfig, args: tuple,
                 *args, BLOCK_Q=_block_q(config, num_q_per_kv),
                 BLOCK_M=_block_m(config, num_q_per_kv), TILE=config.tile,
                 num_warps=config.num_warps, num_stages=config.num_stages,
-                launch_pdl=consts["USE_PDL"], **consts)
+                launch_pdl=bool(consts["USE_PDL"]), **consts)
             return
         except OutOfResources as exc:
             # The shapes are tuned on an H200 (228 KiB of shared memory a SM); a smaller GPU
