@@ -346,3 +346,24 @@ def test_a_dense_engine_is_its_own_group():
     d.feed(1.1, d.done(1, info="restarted"))
     assert d.feed(1.2, d.done(1)) == ["status"]
     assert d.states() == ["healthy"] and d.c.statuses[0].engine_id == 1
+
+
+def test_a_fault_report_queued_before_a_restart_does_not_fault_the_next_incarnation():
+    """The engine may report one fault twice (busy loop and control thread). The second
+    report, still queued when the recovery began, belongs to the replaced incarnation (or
+    epoch): the engine handle drops it instead of faulting the recovered engine."""
+    import time
+
+    from bastion.ipc.control import EngineFault
+    from bastion.sentinel.engine_handle import EngineHandle
+
+    handle = EngineHandle.__new__(EngineHandle)
+    handle.engine_id, handle.child, handle.is_up, handle.last_reply = 0, None, True, None
+    handle.last_reply_time = time.monotonic()
+    handle.incarnation, handle.epoch = 2, 5
+    dead = "WorkerFailure: bastion::worker-0-0 exited with code -9"
+    handle.faults = [EngineFault(1, 4, FailureKind.PROCESS_EXIT, dead),  # the old incarnation
+                     EngineFault(2, 4, FailureKind.PROCESS_EXIT, dead)]  # an older epoch
+    assert handle.check(10.0) is None and handle.faults == []
+    handle.faults = [EngineFault(2, 5, FailureKind.PROCESS_EXIT, dead)]
+    assert handle.check(10.0) == (FailureKind.PROCESS_EXIT, dead)
