@@ -176,6 +176,7 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
     up, down = config["up"], config["down"]
     pdl = use_pdl(hidden.device)
+    routed_bytes = num_tokens * top_k * w2[0].numel() * w2.element_size()  # at the most
     _moe_gemv_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_SIZE_N"]))](
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
@@ -185,7 +186,8 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down["BLOCK_SIZE_N"],
-        BLOCK_K=down["BLOCK_SIZE_K"], USE_PDL=pdl, PREFETCH=use_prefetch(hidden.device),
+        BLOCK_K=down["BLOCK_SIZE_K"], USE_PDL=pdl,
+        PREFETCH=use_prefetch(hidden.device, routed_bytes),
         W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]),
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out

@@ -103,6 +103,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
-        PREFETCH=use_prefetch(x.device), W_BYTES=weight.element_size(),
+        PREFETCH=use_prefetch(x.device, weight.numel() * weight.element_size()),
+        W_BYTES=weight.element_size(),
         LINES=prefetch_lanes(warps), num_warps=warps, launch_pdl=bool(pdl))
     return y

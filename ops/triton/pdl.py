@@ -14,9 +14,9 @@ When a kernel lets the one after it launch is what the chain can prefetch across
   early, and its pre-wait reads of the outputs of the kernel *two* before it are safe;
 - early (the default): every kernel lets the next launch as it starts (``release_early``), so
   the grids of a run of short kernels start together and each weight-bound kernel among them
-  pulls its whole weight tile into L2 (``prefetch_l2``) while the latency-bound ones before it
-  run: the o-projection's 17 MB while rotary and attention run, the next layer's QKV while
-  the experts stream. Only the MoE up kernel releases late: the down kernel after it reads the
+  whose weights fit well inside L2 pulls its whole weight tile there (``prefetch_l2``) while
+  the latency-bound ones before it run: Qwen3-30B-A3B's o-projection (17 MB) while rotary and
+  attention run, the next layer's QKV while the experts stream. Only the MoE up kernel releases late: the down kernel after it reads the
   routing's ids before its wait. A kernel released early therefore reads nothing before its
   wait but weights and the step's staged metadata (written before the graph runs);
 - in both, every program waits before it ends, or at least program 0 does (a grid must not
@@ -81,10 +81,19 @@ def use_pdl(device: torch.device) -> int:
     return 2 if envs.get("BASTION_PDL_EARLY") else 1
 
 
-def use_prefetch(device: torch.device) -> bool:
-    """Whether weight-bound decode kernels prefetch their weights into L2 before their wait
-    (only worth it when the kernels before them let them start early)."""
-    return use_pdl(device) == 2 and envs.get("BASTION_L2_PREFETCH")
+def use_prefetch(device: torch.device, num_bytes: int) -> bool:
+    """Whether a weight-bound decode kernel reading ``num_bytes`` of weights prefetches them
+    into L2 before its wait: only when the kernels before it let it start early, and only
+    weights that fit well inside L2 (60 %). A larger product's early programs would pull in
+    more than L2 holds and read it twice: Llama-3.1-8B's batch-1 decode took 10 % longer
+    with every product prefetching (docs/BENCHMARKS.md, session 19)."""
+    return (use_pdl(device) == 2 and envs.get("BASTION_L2_PREFETCH")
+            and num_bytes <= 0.6 * _l2_bytes(device))
+
+
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 def prefetch_lanes(num_warps: int) -> int:
