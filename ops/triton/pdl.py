@@ -16,9 +16,10 @@ When a kernel lets the one after it launch is what the chain can prefetch across
   the grids of a run of short kernels start together and each weight-bound kernel among them
   whose weights fit well inside L2 pulls its whole weight tile there (``prefetch_l2``) while
   the latency-bound ones before it run: Qwen3-30B-A3B's o-projection (17 MB) while rotary and
-  attention run, the next layer's QKV while the experts stream. Only the MoE up kernel releases late: the down kernel after it reads the
-  routing's ids before its wait. A kernel released early therefore reads nothing before its
-  wait but weights and the step's staged metadata (written before the graph runs);
+  attention run, the next layer's QKV while the experts stream. Only the MoE up kernel
+  releases late: the down kernel after it reads the routing's ids before its wait. A kernel
+  released early therefore reads nothing before its wait but weights and the step's staged
+  metadata (written before the graph runs);
 - in both, every program waits before it ends, or at least program 0 does (a grid must not
   end before the one before it, or a wait behind it would return early).
 
