@@ -242,6 +242,9 @@ def cpu_threads_per_worker(parallel: ParallelConfig) -> int:
     return max(1, (cores - 1) // parallel.world_size)
 
 
+MAX_WARM_SPARES = 4
+
+
 @dataclass(frozen=True)
 class FaultToleranceConfig:
     """Sentinels: detection bounds and the recovery policy."""
@@ -253,14 +256,16 @@ class FaultToleranceConfig:
     ft_hang_timeout_s: float = 30.0  # no heartbeat progress for this long is a hang
     ft_inflight: str = "resume"  # resume | abort: what happens to in-flight requests on a fault
     # Warm spare engines per sentinel (each with a worker spare per rank), promoted on a
-    # restart; 0 starts a replacement from nothing.
+    # restart; 0 starts a replacement from nothing. Two cover a second fault that comes while
+    # the spare replacing the first one still warms up, at twice the spares' memory.
     ft_warm_spares: int = 1
 
     def __post_init__(self) -> None:
         if self.ft_inflight not in ("resume", "abort"):
             raise ConfigError(f"ft_inflight must be resume or abort; got {self.ft_inflight!r}")
-        if self.ft_warm_spares not in (0, 1):
-            raise ConfigError(f"ft_warm_spares must be 0 or 1; got {self.ft_warm_spares}")
+        if not 0 <= self.ft_warm_spares <= MAX_WARM_SPARES:
+            raise ConfigError(f"ft_warm_spares must be 0 to {MAX_WARM_SPARES}; got "
+                              f"{self.ft_warm_spares}")
         if self.ft_max_attempts < 1:
             raise ConfigError("ft_max_attempts must be at least 1")
         if self.ft_hang_timeout_s <= 0 or self.ft_recovery_timeout_s <= 0:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from bastion.core.config import EngineConfig
+from bastion.core.config import MAX_WARM_SPARES, EngineConfig
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.control import (
     EngineCommand,
@@ -99,12 +99,13 @@ class EngineHandle:
         self._results: dict[int, EngineReply] = {}
         self._starter: threading.Thread | None = None
         self.is_up = False  # started, READY and announced (until the next start)
-        self.spare: Spares | None = None  # a warm spare engine (with its worker spares)
+        self.spares: list[Spares] = []  # warm spare engines (each with its worker spares)
         self.num_spares_started = 0
         self._spare_lost_at = -1e9  # when a spare last died soon after its start
         self.promoted = False  # the last start promoted a spare
         self.worker_pids: list[int] = []  # of the running incarnation, once it is READY
         self._no_memory = False
+        self._spares_that_fit = MAX_WARM_SPARES  # fewer once host memory ran short for one
         self._start_error: BaseException | None = None
         self.start_phases: dict[str, float] = {}
 
@@ -147,7 +148,7 @@ class EngineHandle:
         )
         t0 = time.perf_counter()
         info = HandshakeInfo(encode_config(self.config), launch, self.engine_id)
-        spare, self.spare = self.spare, None
+        spare = self._take_spare()
         self.worker_pids = []
         self.promoted = spare is not None and spare.is_alive()
         if self.promoted:
@@ -202,52 +203,74 @@ class EngineHandle:
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which reports it
             self._start_error = exc
 
+    def _take_spare(self) -> Spares | None:
+        """The spare to promote: a warm one if any (the oldest), else the one warming longest;
+        dead ones are dropped."""
+        for spare in [s for s in self.spares if not s.is_alive()]:
+            spare.kill()
+            self.spares.remove(spare)
+        if not self.spares:
+            return None
+        warm = [s for s in self.spares if s.poll()]
+        spare = min(warm or self.spares, key=lambda s: s.started_at)
+        self.spares.remove(spare)
+        return spare
+
     def keep_spare(self) -> None:
-        """Keep a warm spare while the engine is up: start one as soon as there is none (so
-        right after a promotion, once the promoted engine is READY), note when it is warm, and
-        replace one that died idle; serving is never touched. A spare that died within
-        ``_SPARE_RETRY_S`` of its start is replaced that long after its death (no crash loop)."""
-        if self.config.fault_tolerance.ft_warm_spares < 1 or not self.is_up or self._no_memory:
+        """Keep ``ft_warm_spares`` warm spares while the engine is up: start one as soon as
+        there are fewer (so right after a promotion, once the promoted engine is READY; one at
+        a time, the next once the last is warm, so spares never compete with each other for
+        the host), note when each is warm, and replace one that died idle; serving is never
+        touched. A spare that died within ``_SPARE_RETRY_S`` of its start is replaced that
+        long after its death (no crash loop)."""
+        wanted = min(self.config.fault_tolerance.ft_warm_spares, self._spares_that_fit)
+        if wanted < 1 or not self.is_up or self._no_memory:
             return
         now = time.monotonic()
-        spare = self.spare
-        if spare is not None and spare.is_alive():
-            if spare.ready_at is None and spare.poll():
-                logger.info("sentinel %d: warm spare ready %.1f s after its start",
-                            self.engine_id, spare.ready_at - spare.started_at)
-            return
-        if spare is not None:
+        for spare in list(self.spares):
+            if spare.is_alive():
+                if spare.ready_at is None and spare.poll():
+                    logger.info("sentinel %d: warm spare ready %.1f s after its start",
+                                self.engine_id, spare.ready_at - spare.started_at)
+                continue
             codes = [c.proc.poll() for c in spare.children]
             logger.warning("sentinel %d: the idle warm spare exited (code %s); starting "
                            "another", self.engine_id, codes[0])
             spare.kill()
-            self.spare = None
+            self.spares.remove(spare)
             if now - spare.started_at < _SPARE_RETRY_S:
                 self._spare_lost_at = now
+        if len(self.spares) >= wanted or any(s.ready_at is None for s in self.spares):
+            return
         if now - self._spare_lost_at < _SPARE_RETRY_S:
             return
         available = host_memory_available()
         if available is not None and available < _SPARE_MIN_HOST_BYTES:
-            logger.warning("sentinel %d: no warm spare: %.1f GiB of host memory available, a "
-                           "spare needs %.1f GiB", self.engine_id, available / 2**30,
-                           _SPARE_MIN_HOST_BYTES / 2**30)
-            self._no_memory = True
+            logger.warning("sentinel %d: %s: %.1f GiB of host memory available, a spare needs "
+                           "%.1f GiB", self.engine_id, "no warm spare" if not self.spares else
+                           f"keeping {len(self.spares)} warm spare(s), not {wanted}",
+                           available / 2**30, _SPARE_MIN_HOST_BYTES / 2**30)
+            self._no_memory = not self.spares
+            self._spares_that_fit = len(self.spares)
             return
         self.num_spares_started += 1
         tp = self.config.parallel.tensor_parallel_size
         settings = SpareSettings(f"bastion::engine-{self.engine_id}", self.config.model.device,
                                  tp, self.runtime_dir, self.engine_id, tp,
                                  encode_config(self.config).decode())
-        self.spare = Spares(self.ctx, ipc_address(
+        self.spares.append(Spares(self.ctx, ipc_address(
             self.runtime_dir, f"engine{self.engine_id}-spare-{self.num_spares_started}"),
-            "engine", {self.engine_id: settings})
+            "engine", {self.engine_id: settings}))
 
     def spare_state(self) -> SpareState:
+        """The best spare's state: ready if one is warm, else warming, else none."""
         if self.config.fault_tolerance.ft_warm_spares < 1 or self._no_memory:
             return SpareState.OFF
-        if self.spare is None or not self.spare.is_alive():
+        alive = [s for s in self.spares if s.is_alive()]
+        if not alive:
             return SpareState.NONE
-        return SpareState.READY if self.spare.ready_at is not None else SpareState.WARMING
+        return SpareState.READY if any(s.ready_at is not None for s in alive) else (
+            SpareState.WARMING)
 
     def processes(self) -> EngineProcesses:
         """The serving processes (no pid while the engine is down) and the spare's state."""
@@ -288,8 +311,8 @@ class EngineHandle:
         time.sleep(0.2)  # let the workers' parent-death signal land before ports are reused
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.spare is not None:
-            self.spare.kill()
+        for spare in self.spares:
+            spare.kill()
         if self.is_alive() and (self.is_starting or self.peer_identity is None):
             # Not serving (a start in progress, or one given up on: a dead group's last
             # attempt may still be importing when the server exits), so nothing to drain.

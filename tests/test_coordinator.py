@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bastion.core.config import FaultToleranceConfig
+from bastion.core.config import ConfigError, FaultToleranceConfig
 from bastion.ipc.control import (
     ApplyRequest,
     FaultReport,
@@ -367,3 +367,67 @@ def test_a_fault_report_queued_before_a_restart_does_not_fault_the_next_incarnat
     assert handle.check(10.0) is None and handle.faults == []
     handle.faults = [EngineFault(2, 5, FailureKind.PROCESS_EXIT, dead)]
     assert handle.check(10.0) == (FailureKind.PROCESS_EXIT, dead)
+
+
+class _FakeSpares:
+    """A spare set without processes: warm once ``warm`` is set."""
+
+    started = 0
+
+    def __init__(self, *args) -> None:
+        _FakeSpares.started += 1
+        self.started_at, self.ready_at = _FakeSpares.started, None
+        self.warm, self.alive = False, True
+        self.children = []
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def poll(self) -> bool:
+        if self.warm and self.ready_at is None:
+            self.ready_at = self.started_at
+        return self.ready_at is not None
+
+    def kill(self) -> None:
+        self.alive = False
+
+
+def test_two_warm_spares_start_one_after_the_other_and_the_warm_one_is_promoted(monkeypatch):
+    """``--ft-warm-spares 2``: the handle starts a second spare only once the first is warm
+    (spares never compete for the host), promotes a warm spare before one still warming (the
+    oldest warm one first), drops a dead one, and reports ready while any spare is warm."""
+    from types import SimpleNamespace
+
+    from bastion.ipc.control import SpareState
+    from bastion.sentinel import engine_handle
+    from bastion.sentinel.engine_handle import EngineHandle
+
+    monkeypatch.setattr(engine_handle, "Spares", _FakeSpares)
+    monkeypatch.setattr(engine_handle, "encode_config", lambda config: b"{}")
+    monkeypatch.setattr(engine_handle, "host_memory_available", lambda: 64 * 2**30)
+    handle = EngineHandle.__new__(EngineHandle)
+    handle.config = SimpleNamespace(fault_tolerance=FaultToleranceConfig(ft_warm_spares=2),
+                                    model=SimpleNamespace(device="cpu"),
+                                    parallel=SimpleNamespace(tensor_parallel_size=1))
+    handle.engine_id, handle.runtime_dir, handle.ctx = 0, "/tmp", None
+    handle.is_up, handle._no_memory, handle._spare_lost_at = True, False, -1e9
+    handle.spares, handle.num_spares_started = [], 0
+    handle._spares_that_fit = engine_handle.MAX_WARM_SPARES
+
+    handle.keep_spare()
+    handle.keep_spare()
+    assert len(handle.spares) == 1 and handle.spare_state() == SpareState.WARMING
+    first = handle.spares[0]
+    first.warm = True
+    handle.keep_spare()  # the first is warm: the second starts
+    assert len(handle.spares) == 2 and handle.spare_state() == SpareState.READY
+    second = handle.spares[1]
+    handle.keep_spare()
+    assert handle.spares == [first, second]  # two kept, no third
+
+    assert handle._take_spare() is first  # the warm one, though the other is as alive
+    assert handle.spare_state() == SpareState.WARMING
+    second.alive = False
+    assert handle._take_spare() is None and handle.spares == []
+    with pytest.raises(ConfigError):
+        FaultToleranceConfig(ft_warm_spares=engine_handle.MAX_WARM_SPARES + 1)
