@@ -104,8 +104,7 @@ class EngineHandle:
         self._spare_lost_at = -1e9  # when a spare last died soon after its start
         self.promoted = False  # the last start promoted a spare
         self.worker_pids: list[int] = []  # of the running incarnation, once it is READY
-        self._no_memory = False
-        self._spares_that_fit = MAX_WARM_SPARES  # fewer once host memory ran short for one
+        self._spares_that_fit = MAX_WARM_SPARES  # fewer once host memory ran short (0: none)
         self._start_error: BaseException | None = None
         self.start_phases: dict[str, float] = {}
 
@@ -224,7 +223,7 @@ class EngineHandle:
         touched. A spare that died within ``_SPARE_RETRY_S`` of its start is replaced that
         long after its death (no crash loop)."""
         wanted = min(self.config.fault_tolerance.ft_warm_spares, self._spares_that_fit)
-        if wanted < 1 or not self.is_up or self._no_memory:
+        if wanted < 1 or not self.is_up:
             return
         now = time.monotonic()
         for spare in list(self.spares):
@@ -250,7 +249,6 @@ class EngineHandle:
                            "%.1f GiB", self.engine_id, "no warm spare" if not self.spares else
                            f"keeping {len(self.spares)} warm spare(s), not {wanted}",
                            available / 2**30, _SPARE_MIN_HOST_BYTES / 2**30)
-            self._no_memory = not self.spares
             self._spares_that_fit = len(self.spares)
             return
         self.num_spares_started += 1
@@ -264,7 +262,7 @@ class EngineHandle:
 
     def spare_state(self) -> SpareState:
         """The best spare's state: ready if one is warm, else warming, else none."""
-        if self.config.fault_tolerance.ft_warm_spares < 1 or self._no_memory:
+        if self.config.fault_tolerance.ft_warm_spares < 1 or self._spares_that_fit == 0:
             return SpareState.OFF
         alive = [s for s in self.spares if s.is_alive()]
         if not alive:

@@ -410,7 +410,7 @@ def test_two_warm_spares_start_one_after_the_other_and_the_warm_one_is_promoted(
                                     model=SimpleNamespace(device="cpu"),
                                     parallel=SimpleNamespace(tensor_parallel_size=1))
     handle.engine_id, handle.runtime_dir, handle.ctx = 0, "/tmp", None
-    handle.is_up, handle._no_memory, handle._spare_lost_at = True, False, -1e9
+    handle.is_up, handle._spare_lost_at = True, -1e9
     handle.spares, handle.num_spares_started = [], 0
     handle._spares_that_fit = engine_handle.MAX_WARM_SPARES
 
