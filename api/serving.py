@@ -20,7 +20,7 @@ from aiohttp import HttpVersion11, web
 from bastion.api.config import CONFIG_KEY, STATE_KEY
 from bastion.api.connections import with_idle_timeout
 from bastion.api.engine_protocol import EngineClient, RequestStream
-from bastion.api.errors import ApiError, error_body
+from bastion.api.errors import ApiError, bad_request, error_body
 from bastion.api.metrics import ApiMetrics, RequestTracker
 from bastion.api.protocol import GenerateRequest
 from bastion.core.output_processor import SeqDelta
@@ -184,13 +184,15 @@ async def submit(client: EngineClient, metrics: ApiMetrics, request_id: str, mod
 
 
 # Finish reasons that fail the whole request.
-FAILED = ("error", "abort", "timeout")
+FAILED = ("error", "abort", "timeout", "rejected")
 
 
 def failure(client: EngineClient, delta: SeqDelta) -> ApiError:
-    """The error for a choice that ended in ``error``, ``abort`` or ``timeout``: 504 for a
-    passed deadline, 503 while the engines are not all healthy (a recovery case: retrying
-    later can work), 500 otherwise."""
+    """The error for a choice that ended in ``error``, ``abort``, ``timeout`` or ``rejected``:
+    400 for input the engine found it cannot serve, 504 for a passed deadline, 503 while the
+    engines are not all healthy (a recovery case: retrying later can work), 500 otherwise."""
+    if delta.finish_reason == "rejected":
+        return bad_request(delta.error or "The request cannot be served", code="invalid_grammar")
     if delta.finish_reason == "timeout":
         # NOTE: x-should-retry: the OpenAI SDKs retry every 5xx unless told not to, and a
         # retry of a request whose deadline passed can only pass its deadline again.

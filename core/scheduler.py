@@ -11,6 +11,7 @@ from bastion.core.kv_cache_manager import KVCacheManager
 from bastion.core.request import Request, RequestStatus
 from bastion.core.structured_output.fill import BitmaskFill
 from bastion.core.structured_output.manager import StructuredOutputManager
+from bastion.core.structured_output.spec import GrammarSpecError
 from bastion.ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -82,11 +83,13 @@ class Scheduler:
             self.rejected.append(EngineCoreOutput(request.request_id, [], FinishReason.TIMEOUT,
                                                   error=error))
             return
+        if request.request_id in self.requests:
+            self._reject(request, FinishReason.ERROR,  # the server's own ids: a bug, not input
+                         f"request id {request.request_id!r} is already in use")
+            return
         error = self._admission_error(request)
         if error is not None:
-            request.finish(FinishReason.ERROR, error=error)
-            self.rejected.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
-                                                  error=error))
+            self._reject(request, FinishReason.REJECTED, error)
             return
         self.requests[request.request_id] = request
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
@@ -97,9 +100,12 @@ class Scheduler:
             return
         self._enqueue(request)
 
+    def _reject(self, request: Request, reason: FinishReason, error: str) -> None:
+        request.finish(reason, error=error)
+        self.rejected.append(EngineCoreOutput(request.request_id, [], reason, error=error))
+
     def _admission_error(self, request: Request) -> str | None:
-        if request.request_id in self.requests:
-            return f"request id {request.request_id!r} is already in use"
+        """Why the request's own input can never be served here (the API answers 400)."""
         if request.lora_request is not None and not self.max_loras:
             return (f"the request names LoRA adapter {request.lora_request.lora_name!r} but "
                     "LoRA is not enabled (--enable-lora)")
@@ -168,10 +174,10 @@ class Scheduler:
             try:
                 self.structured_output.attach_grammar(request)
             except ValueError as exc:
-                request.finish(FinishReason.ERROR, error=str(exc))
                 self.requests.pop(request.request_id, None)
-                self.rejected.append(EngineCoreOutput(request.request_id, [],
-                                                      FinishReason.ERROR, error=str(exc)))
+                reason = (FinishReason.REJECTED if isinstance(exc, GrammarSpecError)
+                          else FinishReason.ERROR)
+                self._reject(request, reason, str(exc))
                 continue
             self._enqueue(request)
 
@@ -518,10 +524,17 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> None:
         grammar = request.grammar
         if grammar is not None and not grammar.accept(token_id):
-            # The step's bitmask allowed only what the grammar accepts; this is a bug, and the
+            # The step's bitmask allowed only what the grammar accepts. When it allowed
+            # nothing, the grammar is a dead end for this vocabulary (a regex of characters no
+            # token spells): the request's input. Otherwise this is a bug. Either way the
             # request cannot go on under its grammar.
-            request.finish(FinishReason.ERROR, error=f"token {token_id} does not match the "
-                           "request's grammar")
+            if grammar.allows_no_token():
+                request.finish(FinishReason.REJECTED, error=(
+                    f"no token of the model's vocabulary can continue the request's grammar "
+                    f"after {request.num_output_tokens - 1} output tokens"))
+            else:
+                request.finish(FinishReason.ERROR, error=f"token {token_id} does not match "
+                               "the request's grammar")
             return
         params = request.sampling_params
         is_eos = token_id == request.eos_token_id and not params.ignore_eos

@@ -151,10 +151,13 @@ class FinishReason(enum.IntEnum):
     # NOTE: its own reason, not ERROR: the API answers a passed deadline with 504
     # deadline_exceeded (a client's choice, not a server bug to retry), never with 500.
     TIMEOUT = 4  # the request's deadline passed before it could complete
+    # The request's own input cannot be served, found only in the engine (a grammar that no
+    # token of the vocabulary can continue): the API answers 400, as for input it checks itself.
+    REJECTED = 5
 
     @property
     def openai_name(self) -> str:
-        return ("stop", "length", "abort", "error", "timeout")[self]
+        return ("stop", "length", "abort", "error", "timeout", "rejected")[self]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_request_that_can_never_fit_gets_an_error_not_a_hang():
     s.add_request(req("big", 20))
     assert not s.has_unfinished_requests
     (err,) = s.take_rejected()
-    assert err.finish_reason == FinishReason.ERROR
+    assert err.finish_reason == FinishReason.REJECTED  # the client's input: the API answers 400
     assert "needs 6 KV blocks but the pool has only 2" in err.error
 
 
@@ -247,7 +247,7 @@ def test_prompt_over_the_budget_without_chunked_prefill_is_rejected():
     s.add_request(req("a", 9))
     s.add_request(req("b", 8, start=20))
     [rejected] = s.take_rejected()
-    assert rejected.request_id == "a" and rejected.finish_reason == FinishReason.ERROR
+    assert rejected.request_id == "a" and rejected.finish_reason == FinishReason.REJECTED
     assert "chunked prefill off" in rejected.error and "at most 8" in rejected.error
     assert s.schedule().num_scheduled_tokens == {"b": 8}
 

@@ -112,7 +112,7 @@ def test_a_spec_that_cannot_compile_fails_only_its_request(llm):
     outs = llm.generate(["Hello", "Hello"], [greedy(8, regex="a(b"), greedy(8)],
                         use_tqdm=False)
     bad, good = outs[0].outputs[0], outs[1].outputs[0]
-    assert bad.finish_reason == "error" and "parenthesis is not closed" in bad.error
+    assert bad.finish_reason == "rejected" and "parenthesis is not closed" in bad.error
     assert good.finish_reason == "length" and len(good.token_ids) == 8
 
 
@@ -192,6 +192,19 @@ def test_speculative_decoding_leaves_grammar_rows_undrafted(chat_ids, llm):
     assert drafted and all(rid.startswith("1") for rid in drafted)  # only the free row drafts
 
 
+def test_a_grammar_no_token_can_spell_is_rejected_where_it_dead_ends(llm):
+    """The embedded vocabulary has no token for the control character 0x1d: a regex that needs
+    it is the client's input error (REJECTED, a 400 over HTTP), at its first token or after
+    the tokens the grammar could take, and the free request beside it is untouched."""
+    outs = llm.generate(["Hello"] * 3, [greedy(8, regex="\x1d"), greedy(8, regex="yes\x1d"),
+                                        greedy(8)], use_tqdm=False)
+    first, later, free = (o.outputs[0] for o in outs)
+    assert (first.finish_reason, later.finish_reason) == ("rejected", "rejected")
+    assert first.error.endswith("can continue the request's grammar after 0 output tokens")
+    assert later.text.startswith("yes") and later.error.endswith("after 1 output tokens")
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+
+
 # ------------------------------------------------------------------------ units, no model
 
 
@@ -206,6 +219,9 @@ class _Grammar:
 
     def accept(self, token_id: int) -> bool:
         return token_id in self.allowed
+
+    def allows_no_token(self) -> bool:
+        return not self.allowed
 
 
 class _SlowCompiles:
@@ -261,7 +277,7 @@ def test_a_failed_compile_is_an_error_output_and_frees_the_request():
     out = s.schedule()
     assert not out.num_scheduled_tokens and not s.has_unfinished_requests
     (rejected,) = s.take_rejected()
-    assert rejected.finish_reason == FinishReason.ERROR and "regex" in rejected.error
+    assert rejected.finish_reason == FinishReason.REJECTED and "regex" in rejected.error
 
 
 def test_bitmask_masks_exactly_its_rows_and_bits():

@@ -147,6 +147,26 @@ def test_uncompilable_or_malformed_specs_are_400(client, extra, param, message):
     assert error["type"] == "BadRequestError"
 
 
+def test_a_grammar_that_dead_ends_in_the_engine_is_400_streamed_or_not(client, server):
+    """No token of the embedded vocabulary spells 0x1d: found only once the grammar runs, and
+    still the client's error, not the server's (the fuzzer's case, with a stray '^')."""
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 8, "guided_regex": "\x1d^a"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="Hello", max_tokens=8,
+                                  extra_body={"guided_regex": body["guided_regex"]})
+    error = info.value.body
+    assert error["code"] == "invalid_grammar" and error["type"] == "BadRequestError", error
+    assert error["message"].startswith("no token of the model's vocabulary can continue")
+    request = urllib.request.Request(server.base_url + "/v1/completions", method="POST",
+                                     data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [line[6:] for line in response.read().decode().splitlines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"] == error
+
+
 def test_grammar_request_resumed_after_an_injected_fault_stays_valid(client, server):
     schema = SCHEMAS[9]
     kwargs = {"messages": MESSAGES, "response_format": schema_format(schema), "max_tokens": 80,

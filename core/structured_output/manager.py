@@ -44,6 +44,7 @@ class RequestGrammar:
 
         stop = [eos_token_id] if eos_token_id is not None else None
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
+        self.matcher_vocab_size = compiled.tokenizer_info.vocab_size
         self.start_after_token_id = start_after_token_id
         self.is_active = start_after_token_id is None
         # NOTE: a matcher terminates exactly when it accepts a stop token (xgrammar's default,
@@ -61,6 +62,15 @@ class RequestGrammar:
             return False
         self.is_terminated = token_id in self._stop_token_ids
         return True
+
+    def allows_no_token(self) -> bool:
+        """Whether no token can follow (a dead end: the grammar needs text that no token of
+        the vocabulary spells). Asked only after a token was refused, off the fill's path."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.matcher_vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        return not bool(bitmask.any())
 
 
 class StructuredOutputManager:
@@ -149,8 +159,9 @@ class StructuredOutputManager:
         grammar = RequestGrammar(compiled, request.eos_token_id, spec.start_after_token_id)
         for token_id in request.output_token_ids:
             if not grammar.accept(token_id):
-                raise GrammarSpecError(f"the request's tokens so far do not match its grammar "
-                                       f"(token {token_id})")
+                # Not the client's input: its tokens were made under this grammar.
+                raise ValueError(f"the request's tokens so far do not match its grammar "
+                                 f"(token {token_id})")
         request.grammar = grammar
 
     @staticmethod
