@@ -19,7 +19,6 @@ from bastion.core.lora.peft import load_peft_adapter
 from bastion.core.request import Request
 from bastion.core.scheduler import Scheduler
 from bastion.core.spec_decode.metrics import SpecDecodingLogger
-from bastion.core.structured_output.fill import BitmaskFill
 from bastion.core.structured_output.manager import StructuredOutputManager
 from bastion.ipc.messages import (
     EngineCoreOutput,
@@ -156,7 +155,6 @@ class EngineCore:
         else:
             sched = self.scheduler.schedule()
             result = self.executor.execute_model_async(sched)
-            self._send_bitmask(sched)
             outputs = self.scheduler.update_from_output(sched, result.output())
         stats = self.scheduler.make_stats()
         if self.spec_logger is not None:
@@ -188,15 +186,7 @@ class EngineCore:
         # Scheduled nothing (pool full) while another engine has tokens: padding rows only.
         sched.is_dummy = num_rows > 0 and not num_tokens
         result = self.executor.execute_model_async(sched)
-        self._send_bitmask(sched)
         return self.scheduler.update_from_output(sched, result.output())
-
-    def _send_bitmask(self, sched: SchedulerOutput, fill: BitmaskFill | None = None) -> None:
-        """A launched step with grammar rows samples once it has their bitmask (``fill``: its
-        fill, already started)."""
-        if sched.structured_output_request_ids:
-            fill = fill or self.scheduler.grammar_bitmask(sched)
-            self.executor.sample_tokens(fill.result())
 
     def _dp_agree(self, num_tokens: int, is_decode_only: bool) -> tuple[int, bool]:
         if self.dp_sync is None:
@@ -205,16 +195,9 @@ class EngineCore:
         return self.dp_sync(num_tokens, is_decode_only)
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        """Launch the next step, then fold the oldest one in flight.
-
-        A step with grammar rows samples only once it has its bitmask, which needs the step
-        before it folded in. So its bitmask is filled (on the fill thread) from that fold on,
-        while this engine schedules and sends the step behind it, and is sent only then: the
-        worker has that next step prepared when the bitmask arrives and queues its forward
-        right behind the sampling.
-        """
+        """Launch the next step, then fold the oldest one in flight."""
         launched = False
-        if self._may_launch():
+        if self.scheduler.has_unfinished_requests and len(self.inflight) < 2:
             sched = self.scheduler.schedule()
             if sched.num_scheduled_tokens or sched.finished_request_ids:
                 self.inflight.append(_InFlight(sched, self.executor.execute_model_async(sched)))
@@ -222,30 +205,9 @@ class EngineCore:
         if not self.inflight:  # nothing could run: deadlines still pass
             return self.scheduler.take_rejected() + self.scheduler.expire_deadlines()
         if launched and len(self.inflight) == 1:
-            self._start_fill()
             return self.scheduler.take_rejected()  # keep one step queued behind the device
         step = self.inflight.popleft()
-        self._send_bitmask(step.sched, step.fill)
-        outputs = self.scheduler.update_from_output(step.sched, step.result.output())
-        self._start_fill()
-        return outputs
-
-    def _may_launch(self) -> bool:
-        if not self.scheduler.has_unfinished_requests or len(self.inflight) >= 2:
-            return False
-        # NOTE: under async speculation the worker prepares a step from the one before it
-        # sampled (it drafts from the accepted tokens), so no step may queue behind one still
-        # waiting for its grammar bitmask: that one is folded (its bitmask sent) first.
-        last = self.inflight[-1] if self.inflight else None
-        return not (self.scheduler.is_async_spec and last is not None
-                    and last.sched.structured_output_request_ids)
-
-    def _start_fill(self) -> None:
-        # NOTE: only the oldest step in flight: with every step before it folded in, its
-        # matchers hold every token but the one it samples.
-        step = self.inflight[0] if self.inflight else None
-        if step is not None and step.fill is None and step.sched.structured_output_request_ids:
-            step.fill = self.scheduler.grammar_bitmask(step.sched)
+        return self.scheduler.update_from_output(step.sched, step.result.output())
 
     def drop_all_requests(self) -> None:
         """Forget every request and all KV state, with no outputs (fault recovery: the front
@@ -277,12 +239,10 @@ def _vocabulary(config: EngineConfig, tokenizer: object | None
 
 @dataclass
 class _InFlight:
-    """A launched step (async scheduling) and, for one with grammar rows, its bitmask's fill
-    once started."""
+    """A launched step (async scheduling)."""
 
     sched: SchedulerOutput
     result: StepResult
-    fill: BitmaskFill | None = None
 
 
 def _is_decode_only(sched: SchedulerOutput) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from bastion.core.config import EngineConfig
 from bastion.core.model_runner import ModelRunner
-from bastion.ipc.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from bastion.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class StepResult(Protocol):
@@ -29,12 +29,6 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     def execute_model_async(self, sched: SchedulerOutput) -> StepResult: ...
-
-    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
-        """The grammar bitmask of the oldest launched step not sampled yet, which samples only
-        once it has it (a step whose ``structured_output_request_ids`` is not empty). At most
-        one step may be launched behind it before this call; it runs right after the sampling.
-        """
 
     def reset(self) -> None: ...
 
@@ -61,9 +55,6 @@ class UniProcExecutor:
 
     def execute_model_async(self, sched: SchedulerOutput) -> StepResult:
         return self.runner.execute_model_async(sched)
-
-    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
-        self.runner.sample_tokens(bitmask)
 
     def reset(self) -> None:
         self.runner.reset()

@@ -31,9 +31,9 @@ from bastion.core.spec_decode.draft_model import DraftModelProposer
 from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
-from bastion.core.structured_output.bitmask import GrammarBitmaskApplier
+from bastion.core.structured_output.manager import RequestGrammar
+from bastion.core.structured_output.worker import WorkerGrammars
 from bastion.ipc.messages import (
-    GrammarBitmask,
     Logprobs,
     LoRARequest,
     ModelRunnerOutput,
@@ -84,6 +84,9 @@ class CachedRequestState:
     # (prompt + max_tokens, at most max_model_len) no draft may pass.
     draft_token_ids: list[int] = field(default_factory=list)
     max_num_tokens: int = 1 << 62
+    # Structured outputs (TP rank 0): the request's matcher, one output token behind while a
+    # token is in flight; None without a grammar, or once its grammar refused a token.
+    grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -139,27 +142,16 @@ class StepHandle:
         self._output: ModelRunnerOutput | None = None
         self._host = None
         self._lock = threading.Lock()
-        # Not sampled yet: a step under a grammar waits for its bitmask before it samples
-        # (``attach``), and a step held behind one for that sampling.
-        self.is_deferred = False
-        if out is None:
+        if out is None:  # nothing sampled (yet: ``attach``)
             self.states, self.sampled = states or [], None
             self._output = ModelRunnerOutput(step_id=step_id, prompt_logprobs=self.prompt_logprobs)
             return
         self.attach(states, out)
 
-    @classmethod
-    def deferred(cls, step_id: int,
-                 prompt_logprobs: list[PromptLogprobs] | None = None) -> StepHandle:
-        """A step not sampled yet (``attach`` or ``set_output`` completes it)."""
-        handle = cls(step_id, prompt_logprobs=prompt_logprobs)
-        handle._output, handle.is_deferred = None, True
-        return handle
-
     def attach(self, states: list[CachedRequestState], out: SamplerOutput) -> None:
         self.states = states
         self.sampled = out.sampled_token_ids  # stays on the device
-        self.is_deferred = False
+        self._output = None
         tensors = [out.sampled_token_ids]
         if out.logprobs is not None:
             tensors.extend(out.logprobs)
@@ -178,16 +170,13 @@ class StepHandle:
         return handle
 
     def set_output(self, output: ModelRunnerOutput) -> None:
-        self._output, self.is_deferred = output, False
+        self._output = output
 
     def token_ids(self) -> list[int]:
         return self.output().sampled_token_ids
 
     def output(self) -> ModelRunnerOutput:
         with self._lock:
-            if self.is_deferred:
-                raise RuntimeError(f"step {self.step_id} was asked for its tokens before it "
-                                   "sampled (a grammar bitmask had not arrived)")
             if self._output is None:
                 if self._event is not None:
                     self._event.synchronize()
@@ -245,11 +234,7 @@ class ModelRunner:
                          if spec is not None and spec.method == "ngram" else None)
         self.drafter: DraftModelProposer | None = None  # built in load_model
         self.lora_manager: LoRAManager | None = None  # built in load_model with --enable-lora
-        # A launched step waiting for its grammar bitmask to sample (at most one), and the
-        # step that arrived behind it, prepared and launched once it samples.
-        self._deferred: _DeferredSample | None = None
-        self._held: _PreparedStep | None = None
-        self._bitmask = GrammarBitmaskApplier()
+        self.grammars = WorkerGrammars()  # on TP rank 0 only (``load_model``)
 
     # ------------------------------------------------------------------------- set-up
 
@@ -261,6 +246,7 @@ class ModelRunner:
         self.vocab_size = self.resolved.hf_config.vocab_size
         self.max_model_len = get_max_model_len(self.resolved.hf_config,
                                                self.config.model.max_model_len)
+        self.grammars.enabled = get_tp_group().rank == 0  # the others take rank 0's tokens
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             self.drafter = DraftModelProposer(self.config, self.vocab_size)
@@ -417,8 +403,6 @@ class ModelRunner:
         """Forget all per-request state (fault recovery)."""
         self.requests.clear()
         self.inflight.clear()
-        self._deferred = None
-        self._held = None
 
     def _fold_tokens(self, keep: int) -> None:
         """Append the sampled tokens of all in-flight steps but the newest ``keep`` to their
@@ -433,6 +417,8 @@ class ModelRunner:
     # ------------------------------------------------------------------------- one step
 
     def _apply_delta(self, sched: SchedulerOutput) -> None:
+        if sched.grammars or sched.grammar_vocabulary is not None or sched.dropped_grammar_ids:
+            self.grammars.learn(sched)
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
         for lora_id in sched.removed_lora_ids:
@@ -447,7 +433,7 @@ class ModelRunner:
                 new.prompt_token_ids + new.output_token_ids, generator, new.eos_token_id,
                 is_plain_greedy=_is_plain_greedy(new.sampling_params),
                 needs_output_ids=_needs_output_ids(new.sampling_params),
-                lora_request=new.lora_request)
+                lora_request=new.lora_request, grammar=self.grammars.matcher_for(new))
             max_tokens = new.sampling_params.max_tokens
             if max_tokens is not None:
                 state.max_num_tokens = len(new.prompt_token_ids) + max_tokens
@@ -471,44 +457,24 @@ class ModelRunner:
 
         A request whose previous token is still in flight (the step before this one) reads it
         from that step's sampled tensor on the device, so this step queues behind it on the
-        stream without the host ever waiting for it.
-
-        A step that arrives while the one before it waits for its grammar bitmask is folded
-        into the request state and prepared now, and launched as soon as that bitmask arrives,
-        right behind the sampling whose tokens it reads (``sample_tokens``).
+        stream without the host ever waiting for it. A step with grammar rows waits for those
+        tokens (they are on the host by the time its forward is launched) to fill the bitmask
+        it samples under, while the device runs the forward.
         """
         if self.proposer is not None or self.drafter is not None:
-            if self._deferred is not None:
-                raise RuntimeError(f"step {sched.step_id} arrived before the grammar bitmask "
-                                   f"of step {self._deferred.handle.step_id}")
             return self._execute_spec(sched)
-        if self._held is not None:
-            raise RuntimeError(f"step {sched.step_id} arrived while step "
-                               f"{self._held.handle.step_id} still waits behind step "
-                               f"{self._deferred.handle.step_id}'s grammar bitmask")
         self._fold_tokens(keep=1)
         self._apply_delta(sched)
         num_rows = self._padded_rows(sched)
-        decode = (self._prepare_decode(sched) if sched.num_scheduled_tokens
-                  and self._can_replay(sched, num_rows) else None)
-        step = _PreparedStep(sched, StepHandle.deferred(sched.step_id), num_rows, decode)
-        if self._deferred is not None:
-            self._held = step
-            return step.handle
-        return self._launch(step)
-
-    def _launch(self, step: _PreparedStep) -> StepHandle:
-        """The device work of a prepared step: its forward, then its sampling (or, with
-        grammar rows, the logits kept until the bitmask arrives)."""
-        sched, handle, num_rows = step.sched, step.handle, step.num_rows
+        handle = StepHandle(sched.step_id)
         if not sched.num_scheduled_tokens:
             if sched.is_dummy:
                 self._dummy_run(num_rows, self._can_replay(sched, num_rows))
-            handle.set_output(ModelRunnerOutput(step_id=sched.step_id))
             return handle
         prev = self.inflight[-1].sampled if self.inflight else None
-        if step.decode is not None:
-            states, inputs = step.decode
+        decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
+        if decode is not None:
+            states, inputs = decode
             self._set_lora_rows(states, [1] * len(states),
                                 self.graph_runner.bucket(max(len(states), num_rows)))
             runner = self._decode_graph_runner()
@@ -527,55 +493,34 @@ class ModelRunner:
                 return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
-        # The rows' next tokens are this step's from now on: a step prepared before they are
-        # sampled (behind a grammar bitmask) reads them on the device.
+        if sched.structured_output_request_ids:
+            self._fold_tokens(keep=0)  # the grammar rows' matchers need the tokens in flight
+            self._mask_grammar_rows(logits, states, sched.structured_output_request_ids, {})
+        # The rows' next tokens are this step's from now on: the next step, prepared before
+        # they reach the host, reads them on the device.
         for row, state in enumerate(states):
             state.num_pending += 1
             state.pending_row = row
         self.inflight.append(handle)
-        if sched.structured_output_request_ids:
-            self._deferred = _DeferredSample(handle, logits, states, {})
-            return handle
         return self._sample_step(handle, logits, states)
 
-    def _defer(self, sched: SchedulerOutput, logits: torch.Tensor,
-               states: list[CachedRequestState],
-               prompt_logprobs: list[PromptLogprobs]) -> StepHandle:
-        """A speculative step's logits, kept until its grammar bitmask arrives."""
-        handle = StepHandle.deferred(sched.step_id, prompt_logprobs)
-        self._deferred = _DeferredSample(handle, logits, states,
-                                         sched.scheduled_spec_decode_tokens)
-        return handle
-
-    @torch.inference_mode()
-    def sample_tokens(self, msg: GrammarBitmask) -> list[StepHandle]:
-        """Sample the deferred step under its grammar bitmask (the forward has been queued
-        on the device since ``execute_model_async``), then launch the step held behind it.
-        Returns the handles that now have their tokens on the way, oldest first (none when
-        no step waits for this bitmask)."""
-        pending = self._deferred
-        if pending is None or pending.handle.step_id != msg.step_id:
-            if pending is not None:
-                raise RuntimeError(f"the grammar bitmask of step {msg.step_id} arrived while "
-                                   f"step {pending.handle.step_id} waits for its own")
-            return []
-        self._deferred = None
-        spec = pending.spec
-        row_of, row = {}, 0
-        for state in pending.states:  # a row with d drafts has d + 1 logits rows
-            row_of[state.request_id] = row
+    def _mask_grammar_rows(self, logits: torch.Tensor, states: list[CachedRequestState],
+                           grammar_ids: list[str], spec: dict[str, list[int]]) -> None:
+        """Advance each grammar row's matcher by the tokens its request has had since, and
+        mask its logits row with what may come next (a row with ``d`` drafts has ``d + 1``
+        logits rows; grammar rows have none)."""
+        if not self.grammars.enabled:
+            return
+        wanted, rows, row = set(grammar_ids), [], 0
+        for state in states:
+            grammar = state.grammar
+            if state.request_id in wanted and grammar is not None:
+                if grammar.catch_up(state.output_token_ids):
+                    rows.append((row, grammar))
+                else:  # the engine ends the request; its rows sample unmasked meanwhile
+                    state.grammar = None
             row += len(spec.get(state.request_id, ())) + 1
-        self._bitmask.apply(pending.logits, msg, row_of)
-        if self.proposer is not None or self.drafter is not None:
-            pending.handle.set_output(self._verify_step(pending.handle.step_id, pending.logits,
-                                                        pending.states, spec,
-                                                        pending.handle.prompt_logprobs))
-            return [pending.handle]
-        handles = [self._sample_step(pending.handle, pending.logits, pending.states)]
-        held, self._held = self._held, None
-        if held is not None:
-            handles.append(self._launch(held))
-        return handles
+        self.grammars.mask(logits, rows)
 
     def _sample_step(self, handle: StepHandle, logits: torch.Tensor,
                      states: list[CachedRequestState]) -> StepHandle:
@@ -632,7 +577,7 @@ class ModelRunner:
             states = [self.requests[rid] for rid in batch.sample_ids]
         self._advance(sched)
         if sched.structured_output_request_ids:
-            return self._defer(sched, logits, states, prompt_logprobs)
+            self._mask_grammar_rows(logits, states, sched.structured_output_request_ids, spec)
         return StepHandle.ready(self._verify_step(sched.step_id, logits, states, spec,
                                                   prompt_logprobs))
 
@@ -1046,28 +991,6 @@ def _sync_sampled_tokens(out: SamplerOutput) -> SamplerOutput:
     if tp.world_size > 1:
         tp.broadcast(out.sampled_token_ids, src=0)
     return out
-
-
-@dataclass
-class _DeferredSample:
-    """A launched step's logits (still being computed on the device) waiting for its bitmask."""
-
-    handle: StepHandle
-    logits: torch.Tensor
-    states: list[CachedRequestState]
-    spec: dict[str, list[int]]
-
-
-@dataclass
-class _PreparedStep:
-    """A step folded into the request state and prepared on the host (``decode``: its graph
-    inputs, when it replays one), its device work not launched yet (``_launch``): the runner
-    holds one while the step before it waits for its grammar bitmask."""
-
-    sched: SchedulerOutput
-    handle: StepHandle
-    num_rows: int
-    decode: tuple[list[CachedRequestState], DecodeInputs] | None
 
 
 @dataclass

@@ -17,7 +17,7 @@ from bastion.ipc.messages import (
 )
 
 if TYPE_CHECKING:
-    from bastion.core.structured_output.manager import RequestGrammar
+    from bastion.core.structured_output.manager import CompiledGrammar, RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -72,9 +72,11 @@ class Request:
         self.prompt_logprobs_rows: dict[int, tuple[list[int], list[float], int]] | None = (
             {} if params.prompt_logprobs is not None else None)
         # Structured outputs: the grammar's compilation while the request waits for it, then
-        # its matcher, advanced by every output token.
+        # its matcher, advanced by every output token, and the compiled grammar the workers
+        # get (``StructuredOutputManager.ship``).
         self.grammar_future: Future | None = None
         self.grammar: RequestGrammar | None = None
+        self.compiled_grammar: CompiledGrammar | None = None
         # Prompt plus max_tokens; the scheduler lowers it to its max_model_len on admission.
         max_tokens = params.max_tokens
         self.max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None

@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from bastion.core.config import CacheConfig, SchedulerConfig
 from bastion.core.kv_cache_manager import KVCacheManager
 from bastion.core.request import Request, RequestStatus
-from bastion.core.structured_output.fill import BitmaskFill
 from bastion.core.structured_output.manager import StructuredOutputManager
 from bastion.core.structured_output.spec import GrammarSpecError
 from bastion.ipc.messages import (
@@ -264,7 +263,9 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
                 self.kv.block_ids(request.request_id), request.num_computed_tokens,
-                list(request.output_token_ids), request.eos_token_id, request.lora_request))
+                list(request.output_token_ids), request.eos_token_id, request.lora_request,
+                None if request.compiled_grammar is None
+                else self.structured_output.ship(request)))
             self.known_by_workers.add(request.request_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -296,6 +297,8 @@ class Scheduler:
             out.scheduled_spec_decode_tokens = spec_tokens
         if grammar_ids:
             out.structured_output_request_ids = grammar_ids
+        if self.structured_output is not None:
+            self.structured_output.shipments.take(out)
         self.finished_ids = []
         return out
 
@@ -309,23 +312,6 @@ class Scheduler:
         done = sorted(self.removing_loras - in_use)
         self.removing_loras.difference_update(done)
         return done
-
-    def grammar_bitmask(self, sched: SchedulerOutput) -> BitmaskFill:
-        """Start filling the bitmask of a launched step's grammar rows, from their matchers as
-        they are now (no matcher may advance before its ``result()``).
-
-        NOTE: called once for every such step, once every step before it is folded in and
-        before it is itself, so each matcher has consumed every token of its request but the
-        one this step samples. A request that finished meanwhile gets no row.
-        """
-        request_ids, grammars = [], []
-        for request_id in sched.structured_output_request_ids:
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished or request.grammar is None:
-                continue
-            request_ids.append(request_id)
-            grammars.append(request.grammar)
-        return self.structured_output.fill_bitmask(sched.step_id, request_ids, grammars)
 
     def _allocate_spec(self, request: Request, num_new: int,
                        budget: int) -> tuple[list[int] | None, list[int]]:
@@ -575,6 +561,8 @@ class Scheduler:
         self.scheduled.clear()
         self.known_by_workers.clear()
         self.finished_ids.clear()
+        if self.structured_output is not None:  # the workers may be new processes
+            self.structured_output.shipments.forget()
 
     def make_stats(self) -> SchedulerStats:
         stats = SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling),

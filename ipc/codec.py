@@ -33,7 +33,6 @@ class MsgKind(enum.IntEnum):
     CONTROL = 15
     CONTROL_REPLY = 16
     PEER = 17
-    GRAMMAR_BITMASK = 18
 
 
 _TYPES: dict[MsgKind, type] = {
@@ -54,7 +53,6 @@ _TYPES: dict[MsgKind, type] = {
     MsgKind.CONTROL: c.EngineCommand,
     MsgKind.CONTROL_REPLY: c.EngineControlReply,
     MsgKind.PEER: c.PeerMessage,
-    MsgKind.GRAMMAR_BITMASK: m.GrammarBitmask,
 }
 # NOTE: a tagged union's kind is that of every member; the tag inside the body names the member.
 _KIND_OF = {member: kind for kind, tp in _TYPES.items() if kind != MsgKind.SHUTDOWN

@@ -314,6 +314,9 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     output_token_ids: list[int] = []  # tokens already generated (resumed after preemption/fault)
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None
+    # Structured outputs: the id of the request's compiled grammar, which the workers hold
+    # (``SchedulerOutput.grammars`` brings each one once).
+    grammar_id: str | None = None
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -351,9 +354,16 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # LoRA adapters unloaded (once no request of theirs was left): workers free their slots.
     removed_lora_ids: list[int] = []
-    # Structured outputs: the rows of this step that sample under a grammar. The workers run
-    # the forward, then wait for this step's ``GrammarBitmask`` before they sample.
+    # Structured outputs: the rows of this step that sample under a grammar. TP rank 0's worker
+    # advances each one's matcher by the tokens it sampled, fills the bitmask of what may come
+    # next while the forward runs, and samples under it.
     structured_output_request_ids: list[str] = []
+    # Compiled grammars the workers have not been sent yet (xgrammar's serialized form, by
+    # ``grammar_id``), the vocabulary they compile against (once, before the first grammar),
+    # and ids the workers may forget (the engine's record of what they hold evicted them).
+    grammars: dict[str, bytes] = {}
+    grammar_vocabulary: bytes | None = None
+    dropped_grammar_ids: list[str] = []
 
 
 class PromptLogprobs(msgspec.Struct, **_WIRE):
@@ -363,22 +373,6 @@ class PromptLogprobs(msgspec.Struct, **_WIRE):
     request_id: str
     start: int
     logprobs: Logprobs
-
-
-class GrammarBitmask(msgspec.Struct, **_WIRE):
-    """Engine -> workers, after the step's EXECUTE: the tokens each grammar row may sample.
-
-    ``bitmask`` is ``len(request_ids)`` rows of ``num_words`` little-endian int32 words; bit
-    ``t % 32`` of word ``t // 32`` set means token ``t`` is allowed. Rows of the step not named
-    here are sampled unmasked (their request finished while the step ran). A view, not a copy:
-    of the engine's array in process, of the received frame on a worker (the rows are 20 KB
-    each at a vocabulary of 150k tokens).
-    """
-
-    step_id: int
-    request_ids: list[str]
-    bitmask: memoryview
-    num_words: int
 
 
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):

@@ -19,7 +19,6 @@ from bastion.ipc.control import HandshakeInfo, WorkerLaunch
 from bastion.ipc.messages import (
     Failure,
     FailureKind,
-    GrammarBitmask,
     ModelRunnerOutput,
     SchedulerOutput,
     WorkerCall,
@@ -170,9 +169,6 @@ class MultiprocExecutor:
         so the engine can schedule (and send) the next step first."""
         self._broadcast(encode(sched))
         return _PendingStep(self, sched.step_id)
-
-    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
-        self._broadcast(encode(bitmask))
 
     def _wait_output(self, step_id: int) -> ModelRunnerOutput:
         while True:

@@ -209,20 +209,14 @@ def _serve(worker: Worker, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                 sender.put(encode(worker.handle_call(msg)))
                 continue
             try:
-                if kind == MsgKind.GRAMMAR_BITMASK:
-                    # A deferred step samples now, and the step held behind it launches.
-                    handles = worker.runner.sample_tokens(msg)
-                else:
-                    handles = [worker.runner.execute_model_async(msg)]
+                handle = worker.runner.execute_model_async(msg)
             except Exception as exc:
                 logger.exception("worker %d: step failed", worker.rank)
                 sender.put(encode(Failure("worker", worker.rank, traceback.format_exc(),
                                           kind=failure_kind(exc))))
                 continue
             if worker.rank == 0:
-                for handle in handles:
-                    if not handle.is_deferred:
-                        sender.put(handle)
+                sender.put(handle)
     finally:
         sender.close()
 

@@ -17,15 +17,8 @@ Qwen3's would:
 Each configuration runs a warm-up batch (grammars compiled, kernels built), then a timed batch
 of ``batch`` requests driven step by step through ``EngineCore``; a step counts when every
 request of the batch is running (no prefill, no tail). Prints the median step time, the median
-time of one bitmask fill (xgrammar's own time, on the engine's fill thread or not), and the
-overhead against unconstrained.
-
-Without a GPU, ``--simulate-device-ms F`` runs the real engine (scheduler, matchers, fills)
-over a simulated device: one in-order stream on which a forward takes F ms and a sampling
-0.05 ms, with no model and no worker-side host work; each grammar row samples the highest
-token its bitmask allows. It shows whether a step waits for its bitmask fill or overlaps it:
-
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_structured.py --simulate-device-ms 1.0
+time of one bitmask fill (xgrammar's own time in the runner; only with the worker in this
+process, ``--executor uni``), and the overhead against unconstrained.
 """
 
 from __future__ import annotations
@@ -46,20 +39,9 @@ from pathlib import Path
 
 import torch
 
-from bastion.core.config import build_engine_config
 from bastion.core.engine_core import EngineCore
-from bastion.core.structured_output.fill import BitmaskFill
-from bastion.ipc.messages import (
-    EngineCoreRequest,
-    GrammarBitmask,
-    ModelRunnerOutput,
-    SamplingParams,
-    SchedulerOutput,
-    StructuredOutputsParams,
-)
+from bastion.ipc.messages import EngineCoreRequest, SamplingParams, StructuredOutputsParams
 from bastion.procs.llm import LLM
-
-QWEN3_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "qwen3-0.6b")
 
 # Unbounded, so a request keeps decoding under it up to max_tokens (the mask is filled every
 # step; a request whose grammar completes stops early and its steps are not counted).
@@ -87,117 +69,23 @@ def stand_in_vocabulary(vocab_size: int, tokenizer: str | None = None):
                              stop_token_ids=[vocab_size - 1])
 
 
-def schema_text_tokens(tokenizer: str | None = None) -> list[int]:
-    """A long JSON text under ``SCHEMA``, as token ids of ``tokenizer`` (the first ids of the
-    stand-in vocabulary are its tokens)."""
-    from bastion.core.config import ModelConfig
-    from bastion.core.loader import load_tokenizer, resolve_model
-
-    model = ModelConfig(model=tokenizer)
-    items = [{"id": 1000 + i, "name": f"item {i}: a thing with a longer name",
-              "tags": ["a", "b", "c"][:i % 4]} for i in range(100)]
-    return load_tokenizer(model, resolve_model(model)).encode(json.dumps(items),
-                                                              add_special_tokens=False)
-
-
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-class _SimulatedStep:
-    def __init__(self, executor: SimulatedExecutor, sched: SchedulerOutput) -> None:
-        self.executor = executor
-        self.sched = sched
-        self.done_at = 0.0  # perf_counter time its tokens are on the host
-
-    def output(self) -> ModelRunnerOutput:
-        wait = self.done_at - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        ids = list(self.sched.num_scheduled_tokens)
-        return ModelRunnerOutput(ids, [self.executor.next_token(rid) for rid in ids],
-                                 step_id=self.sched.step_id)
-
-
-class SimulatedExecutor:
-    """An ``Executor`` over a simulated device: one in-order stream (a forward takes
-    ``forward_s``, a sampling ``sample_s``), the worker's rules for grammar steps (a step that
-    arrives while one waits for its bitmask is held and launched right after that sampling),
-    and no host work of its own. Every request samples ``token_ids`` in turn (a JSON text
-    valid under ``SCHEMA``, so the matchers walk through its strings, numbers and arrays)."""
-
-    def __init__(self, forward_s: float, token_ids: list[int], sample_s: float = 50e-6) -> None:
-        self.forward_s, self.sample_s = forward_s, sample_s
-        self.token_ids = token_ids
-        self.position: dict[str, int] = {}
-        self.free_at = 0.0  # when the stream has run everything queued so far
-        self._waiting: _SimulatedStep | None = None  # launched, waiting for its bitmask
-        self._held: _SimulatedStep | None = None
-
-    def next_token(self, request_id: str) -> int:
-        i = self.position[request_id] = self.position.get(request_id, -1) + 1
-        return self.token_ids[i % len(self.token_ids)]
-
-    def _queue(self, duration_s: float) -> float:
-        self.free_at = max(time.perf_counter(), self.free_at) + duration_s
-        return self.free_at
-
-    def _launch(self, step: _SimulatedStep) -> None:
-        if not step.sched.num_scheduled_tokens:
-            step.done_at = time.perf_counter()
-            return
-        self._queue(self.forward_s)
-        if step.sched.structured_output_request_ids:
-            self._waiting = step
-        else:
-            step.done_at = self._queue(self.sample_s)
-
-    def execute_model_async(self, sched: SchedulerOutput) -> _SimulatedStep:
-        step = _SimulatedStep(self, sched)
-        if self._waiting is not None:
-            self._held = step
-        else:
-            self._launch(step)
-        return step
-
-    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
-        step, self._waiting = self._waiting, None
-        step.done_at = self._queue(self.sample_s)
-        held, self._held = self._held, None
-        if held is not None:
-            self._launch(held)
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return 1
-
-    def available_kv_cache_bytes(self) -> int:
-        return 1 << 20
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-
 class HostTimes:
     """Where the engine's thread spends a step (``--breakdown``): the wall time inside each
     wrapped call, summed per step. ``wait tokens`` is a launched step's ``output()`` (the
-    host waiting for the device), ``wait fill`` the bitmask's ``result()`` (waiting for the
-    fill thread)."""
+    host waiting for the device and, with a worker process, for the worker)."""
 
-    PARTS = ("schedule", "launch", "start fill", "wait fill", "sample", "wait tokens", "fold",
-             "other")
-    # Inside the parts above (a worker in this process): the decode graph's staging and
-    # replay, the LM head, the sampling of a step and the bitmask's application.
-    INNER = ("graph run", "logits", "sample step", "apply mask")
-    # Inside those: a graph's replay call, the wait for a staging buffer set, and the mask's
-    # buffers (waiting for the last transfer out of them) and its kernel's launch.
-    CALLS = ("replay", "staging", "mask buffer", "mask kernel")
+    PARTS = ("schedule", "launch", "wait tokens", "fold", "other")
+    # Inside the launch (a worker in this process): the decode graph's staging and replay, the
+    # LM head, the grammar rows' catch-up, fill and mask, and the sampling.
+    INNER = ("graph run", "logits", "grammar", "sample step")
+    # Inside those: the fill itself, the mask's buffers (waiting for the last transfer out of
+    # them), its kernel's launch, a graph's replay call and the wait for a staging buffer set.
+    CALLS = ("fill", "mask buffer", "mask kernel", "replay", "staging")
 
     def __init__(self) -> None:
         self.step: dict[str, float] = dict.fromkeys(self.PARTS + self.INNER + self.CALLS, 0.0)
@@ -243,35 +131,44 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
                 prompt: list[int], max_tokens: int, spec: StructuredOutputsParams | None,
                 tag: str, host: HostTimes | None = None) -> tuple[list[float], list[float]]:
     fills: list[float] = []
-    fill = engine.scheduler.grammar_bitmask
+    runner = getattr(engine.executor, "runner", None)  # a worker in this process
+    undo: list[Callable[[], None]] = []
+    if runner is not None:
+        filler = runner.grammars._filler
+        fill = filler.fill
+
+        def timed_fill(grammars, bitmask) -> None:
+            start = time.perf_counter()
+            fill(grammars, bitmask)
+            fills.append(time.perf_counter() - start)
+            if host is not None:
+                host.step["fill"] += fills[-1]
+
+        filler.fill = timed_fill
+        undo.append(lambda: delattr(filler, "fill"))
     if host is not None:
         host.wrap(engine.scheduler, "schedule", "schedule")
         host.wrap(engine.scheduler, "update_from_output", "fold")
-        host.wrap(engine.executor, "sample_tokens", "sample")
-        host.wrap(engine, "_start_fill", "start fill")
-        runner = getattr(engine.executor, "runner", None)  # a worker in this process
-        inner = []
+        undo.append(lambda: host.unwrap(engine.scheduler, ["schedule", "update_from_output"]))
         if runner is not None:
             inner = [(runner, "_sample_step"), (runner.model, "compute_logits"),
-                     (runner._bitmask, "apply")]
+                     (runner.grammars, "mask")]
             inner += [(g, "run") for g in {id(g): g for g in (runner.graph_runner,
                       getattr(runner, "base_graph_runner", None)) if g is not None}.values()]
-            for (owner, name), part in zip(inner, ("sample step", "logits", "apply mask")
+            for (owner, name), part in zip(inner, ("sample step", "logits", "grammar")
                                            + ("graph run",) * 2):
                 host.wrap(owner, name, part)
-            import xgrammar
-
+                undo.append(lambda owner=owner, name=name: host.unwrap(owner, [name]))
             from bastion.core.staging import StagingRing
             from bastion.ops.triton import grammar_bitmask
-            undo = [host.wrap_class(torch.cuda.CUDAGraph, "replay", "replay"),
-                    host.wrap_class(StagingRing, "acquire", "staging"),
-                    host.wrap_class(type(runner._bitmask), "_buffers", "mask buffer"),
-                    host.wrap_class(grammar_bitmask, "apply_bitmask_rows_triton",
-                                    "mask kernel"),
-                    host.wrap_class(xgrammar, "apply_token_bitmask_inplace", "mask kernel")]
+            undo += [host.wrap_class(torch.cuda.CUDAGraph, "replay", "replay"),
+                     host.wrap_class(StagingRing, "acquire", "staging"),
+                     host.wrap_class(type(runner.grammars._applier), "_buffers", "mask buffer"),
+                     host.wrap_class(grammar_bitmask, "apply_bitmask_rows_triton",
+                                     "mask kernel")]
         launch = engine.executor.execute_model_async
 
-        def timed_launch(sched: SchedulerOutput):
+        def timed_launch(sched):
             start = time.perf_counter()
             result = launch(sched)
             host.step["launch"] += time.perf_counter() - start
@@ -279,26 +176,7 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
             return result
 
         engine.executor.execute_model_async = timed_launch
-
-    def timed_fill(sched: SchedulerOutput) -> BitmaskFill:
-        started = fill(sched)
-        result = started.result
-
-        def timed_result() -> GrammarBitmask:
-            # NOTE: only the time is kept: a kept fill would keep its rows, and each new
-            # fill would then write fresh pages (a third of a fill's time at 128 rows).
-            del started.result
-            start = time.perf_counter()
-            msg = result()
-            if host is not None:
-                host.step["wait fill"] += time.perf_counter() - start
-            fills.append(started.fill_s)
-            return msg
-
-        started.result = timed_result
-        return started
-
-    engine.scheduler.grammar_bitmask = timed_fill
+        undo.append(lambda: host.unwrap(engine.executor, ["execute_model_async"]))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             structured_outputs=spec)
     for i in range(batch):
@@ -319,16 +197,8 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
             host.end_step(counted, now - last)
         last = now
     synchronize(device)
-    del engine.scheduler.grammar_bitmask
-    if host is not None:
-        host.unwrap(engine.scheduler, ["schedule", "update_from_output"])
-        host.unwrap(engine.executor, ["sample_tokens", "execute_model_async"])
-        host.unwrap(engine, ["_start_fill"])
-        for owner, name in inner:
-            host.unwrap(owner, [name])
-        if runner is not None:
-            for restore in undo:
-                restore()
+    for restore in undo:
+        restore()
     # The first steps of the batch are its prefill; the steady state is what is compared.
     return steps[2:], fills
 
@@ -345,15 +215,6 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None,
                    help="a folder with a tokenizer for the stand-in vocabulary of a dummy model "
                         "(default: the embedded model's)")
-    p.add_argument("--fill-in-background", choices=("auto", "yes", "no"), default="auto",
-                   help="the engine fills bitmasks on a thread of its own (auto: with more "
-                        "than one core)")
-    p.add_argument("--fill-threads", type=int, default=None,
-                   help="xgrammar threads one large fill is split over (default: half the "
-                        "cores this process may run on, at most 8)")
-    p.add_argument("--simulate-device-ms", type=float, default=None,
-                   help="no model: a simulated device whose forward takes this long (the "
-                        "Qwen3-0.6B config's vocabulary, stand-in tokens)")
     p.add_argument("--executor", choices=("uni", "mp"), default="uni",
                    help="uni: the worker in the engine's process (the offline LLM's default); "
                         "mp: a worker process, as a server runs it (its host work then no longer "
@@ -370,37 +231,19 @@ def main() -> None:
                         "call, e.g. cudaEventSynchronize, shows its wait)")
     args = p.parse_args()
     max_num_seqs = max(args.batch_sizes)
-    if args.simulate_device_ms is not None:
-        config = build_engine_config(model=QWEN3_CONFIG, load_format="dummy", max_model_len=512,
-                                     max_num_seqs=max_num_seqs)
-        vocab_size = 151936
-        executor = SimulatedExecutor(args.simulate_device_ms / 1e3,
-                                     schema_text_tokens(args.tokenizer))
-        engine = EngineCore(config, executor, 512,
-                            tokenizer=stand_in_vocabulary(vocab_size, args.tokenizer))
-        eos_token_id, device = vocab_size - 1, "simulated"
-        title = f"simulated device, forward {args.simulate_device_ms} ms"
-        shutdown = engine.shutdown
-    else:
-        dummy = args.load_format == "dummy"
-        llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-                  device=args.device, max_model_len=512, max_num_seqs=max_num_seqs,
-                  skip_tokenizer_init=dummy, distributed_executor_backend=args.executor)
-        engine, eos_token_id, device = llm.engine, llm.eos_token_id, args.device
-        if dummy:
-            from bastion.core.loader import resolve_model
+    dummy = args.load_format == "dummy"
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+              device=args.device, max_model_len=512, max_num_seqs=max_num_seqs,
+              skip_tokenizer_init=dummy, distributed_executor_backend=args.executor)
+    engine, eos_token_id, device = llm.engine, llm.eos_token_id, args.device
+    if dummy:
+        from bastion.core.loader import resolve_model
 
-            vocab_size = resolve_model(llm.config.model).hf_config.vocab_size
-            engine.structured_output.use_tokenizer(stand_in_vocabulary(vocab_size,
-                                                                       args.tokenizer))
-            eos_token_id = vocab_size - 1
-        title = (f"{args.model or 'embedded SmolLM2-135M'} on {args.device}, {args.dtype}, "
-                 f"executor {args.executor}")
-        shutdown = llm.shutdown
-    if args.fill_threads is not None:
-        engine.structured_output._max_fill_threads = args.fill_threads
-    if args.fill_in_background != "auto":
-        engine.structured_output.fill_in_background = args.fill_in_background == "yes"
+        vocab_size = resolve_model(llm.config.model).hf_config.vocab_size
+        engine.structured_output.use_tokenizer(stand_in_vocabulary(vocab_size, args.tokenizer))
+        eos_token_id = vocab_size - 1
+    title = (f"{args.model or 'embedded SmolLM2-135M'} on {args.device}, {args.dtype}, "
+             f"executor {args.executor}")
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
     rows, breakdowns, profiles = [], [], []
@@ -444,7 +287,7 @@ def main() -> None:
     for batch, name, num_steps, profiler in profiles:
         print(f"\ncProfile, batch {batch} {name} ({num_steps} timed steps), top calls by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
-    shutdown()
+    llm.shutdown()
 
 
 @contextlib.contextmanager

@@ -34,8 +34,7 @@
 # against the base model, batch-8 latency with one, and per-kernel decode time), loralat (that
 # latency alone, with the shrink on its side stream and without), structured
 # (bench_structured.py: step time with every request under one JSON schema against none, batch
-# 1/32/128, Qwen3-0.6B architecture, dummy weights), structsim (the same engine over a simulated
-# 1 ms forward, no GPU: whether this host's cores hide the bitmask fill), serve
+# 1/32/128, Qwen3-0.6B architecture, dummy weights; $STRUCT_ARGS e.g. "--executor mp"), serve
 # (bench_serve.py at rate inf and two finite rates, 1000 prompts of 1024 in / 128 out, against
 # the embedded model).
 #
@@ -230,9 +229,6 @@ for s in $STAGES; do
     structured) stage structured 300 'batch|overhead|^ *[0-9]|json|none|Error|error' -- \
       $PY scripts/bench_structured.py --device cuda --model $QWEN --load-format dummy \
       --dtype bfloat16 --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ${STRUCT_ARGS:-} ;;
-    structsim) stage structsim 200 'batch|overhead|^ *[0-9]|Error|error' -- \
-      $PY scripts/bench_structured.py --simulate-device-ms 1.0 \
-      --tokenizer ${STRUCT_TOKENIZER:-.whl/qwen3tok} ;;
     serve) stage serve 110 'rate|throughput|TTFT|TPOT|tok/s|Error|failed' -- bash -c run_serve ;;
     *) echo "unknown stage $s" ;;
   esac

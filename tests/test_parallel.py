@@ -128,13 +128,34 @@ def test_executor_backends_that_cannot_run_are_refused(kwargs, error) -> None:
         build_engine_config("llm", **kwargs)
 
 
+# A grammar over a vocabulary of the tiny model's size: "x", "y" and "z" are tokens 10-12.
+TOY_VOCAB = [f"<{i}>" for i in range(10)] + ["x", "y", "z"] + [f"<{i}>" for i in range(13, 320)]
+
+
+def grammar_tokens(llm: LLM, prompts: list) -> list[list[int]]:
+    """Greedy tokens under the regex ``[xyz]+`` (on TP rank 0's mask, which every rank takes)."""
+    import xgrammar as xgr
+
+    from bastion.ipc.messages import StructuredOutputsParams
+
+    llm.engine.structured_output.use_tokenizer(
+        xgr.TokenizerInfo(TOY_VOCAB, xgr.VocabType.RAW, vocab_size=320))
+    params = SamplingParams(temperature=0.0, max_tokens=6,
+                            structured_outputs=StructuredOutputsParams(regex="[xyz]+"))
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
 def test_tiny_qwen3_tp2_matches_single_process(tmp_path, monkeypatch) -> None:
     path = save_tiny("qwen3", tmp_path)
     with LLM(path, skip_tokenizer_init=True, **SMALL_KV) as llm:
         expected = greedy_tokens(llm, as_id_prompts(TINY_PROMPTS))
+        expected_grammar = grammar_tokens(llm, as_id_prompts(TINY_PROMPTS))
     assert len({tuple(t) for t in expected}) > 1
+    assert {t for ts in expected_grammar for t in ts} <= {10, 11, 12}
+    assert len({tuple(t) for t in expected_grammar}) > 1
     with LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, **SMALL_KV) as llm:
         assert greedy_tokens(llm, as_id_prompts(TINY_PROMPTS)) == expected
+        assert grammar_tokens(llm, as_id_prompts(TINY_PROMPTS)) == expected_grammar
         executor, exits = llm.engine.executor, []
         for rank, worker in enumerate(executor.workers):
             wait = worker.proc.wait

@@ -1,13 +1,13 @@
-"""The order of a grammar step's work under async scheduling (issue #21's GPU target): the
-bitmask of step N is filled from the moment step N-1 is folded in, step N+1 reaches the
-executor before step N's bitmask, and the runner launches step N+1's forward only after step N
-samples (its inputs read step N's tokens). A regression here costs a GPU a whole fill and a
-schedule per step while the device waits; on the CPU only the order shows it.
+"""Where a grammar step's work happens (issue #21's GPU target): the engine compiles and sends
+each compiled grammar to the workers once; TP rank 0's runner fills a grammar step's bitmask
+after it has launched the step's forward (the device computes while the host fills) and
+samples under it, with no round trip to the engine. A regression here costs a GPU a fill per
+step while the device waits; on the CPU only the order shows it.
 """
 
 from __future__ import annotations
 
-import time
+import itertools
 
 import numpy as np
 import pytest
@@ -22,7 +22,6 @@ from bastion.core.structured_output.bitmask import (
 from bastion.core.structured_output.fill import BitmaskFiller
 from bastion.ipc.messages import (
     EngineCoreRequest,
-    GrammarBitmask,
     ModelRunnerOutput,
     SamplingParams,
     StructuredOutputsParams,
@@ -44,34 +43,19 @@ def toy_vocabulary():
 
 
 class _Step:
-    def __init__(self, executor: _RecordingExecutor, sched) -> None:
-        self.executor, self.sched, self.mask = executor, sched, None
-        self.needs_mask = bool(sched.structured_output_request_ids)
+    def __init__(self, sched) -> None:
+        self.sched = sched
 
     def output(self) -> ModelRunnerOutput:
-        """Each grammar row's lowest allowed token, every other row token 0 ("a")."""
-        if self.needs_mask and self.mask is None:
-            raise AssertionError(f"step {self.sched.step_id}'s tokens asked before its bitmask")
-        self.executor.calls.append(("output", self.sched.step_id))
-        allowed = {}
-        if self.mask is not None:
-            words = np.frombuffer(self.mask.bitmask, dtype=np.int32).reshape(
-                len(self.mask.request_ids), self.mask.num_words)
-            for rid, row in zip(self.mask.request_ids, words):
-                bits = np.unpackbits(row.view(np.uint8), bitorder="little")
-                allowed[rid] = int(np.flatnonzero(bits)[0])
         ids = list(self.sched.num_scheduled_tokens)
-        return ModelRunnerOutput(ids, [allowed.get(rid, 0) for rid in ids],
-                                 step_id=self.sched.step_id)
+        return ModelRunnerOutput(ids, [0] * len(ids), step_id=self.sched.step_id)
 
 
 class _RecordingExecutor:
-    """Steps that complete at once, with the worker's rules: one step may wait for its
-    bitmask and one more may arrive behind it, no more."""
+    """Steps that complete at once (token 0, "a", for every row); keeps what each carried."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-        self.waiting: list[_Step] = []  # launched, not sampled yet (oldest first)
+        self.steps = []
 
     def kv_cache_bytes_per_block(self) -> int:
         return 1
@@ -83,21 +67,8 @@ class _RecordingExecutor:
         pass
 
     def execute_model_async(self, sched) -> _Step:
-        self.calls.append(("execute", sched.step_id))
-        step = _Step(self, sched)
-        if self.waiting and len(self.waiting) == 2:
-            raise AssertionError(f"step {sched.step_id} arrived behind two unsampled steps")
-        if step.needs_mask or self.waiting:
-            self.waiting.append(step)
-        return step
-
-    def sample_tokens(self, bitmask: GrammarBitmask) -> None:
-        self.calls.append(("sample", bitmask.step_id))
-        step = self.waiting.pop(0)
-        assert step.sched.step_id == bitmask.step_id
-        step.mask = bitmask
-        if self.waiting and not self.waiting[0].needs_mask:  # held behind it, samples now
-            self.waiting.pop(0)
+        self.steps.append(sched)
+        return _Step(sched)
 
     def reset(self) -> None:
         pass
@@ -106,97 +77,60 @@ class _RecordingExecutor:
         pass
 
 
-def _engine(vocabulary, async_scheduling: bool = True,
-            fill_in_background: bool = True) -> tuple[EngineCore, _RecordingExecutor]:
-    config = build_engine_config(device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
-                                 async_scheduling=async_scheduling)
-    executor = _RecordingExecutor()
-    engine = EngineCore(config, executor, 128, tokenizer=vocabulary)
-    engine.structured_output.fill_in_background = fill_in_background
-    fill, fold = engine.scheduler.grammar_bitmask, engine.scheduler.update_from_output
-
-    def recorded_fill(sched):
-        executor.calls.append(("fill", sched.step_id))
-        return fill(sched)
-
-    def recorded_fold(sched, result):
-        executor.calls.append(("fold", sched.step_id))
-        return fold(sched, result)
-
-    engine.scheduler.grammar_bitmask = recorded_fill
-    engine.scheduler.update_from_output = recorded_fold
-    return engine, executor
+def _request(request_id: str, regex: str) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, [5, 6, 7], SamplingParams(
+        temperature=0.0, max_tokens=3, structured_outputs=StructuredOutputsParams(regex=regex)),
+        eos_token_id=STOP)
 
 
-def _run(engine: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, list[int]]:
+def _run(engine: EngineCore, requests: list[EngineCoreRequest]) -> None:
     for request in requests:
-        # Compiled before the first schedule, so every request runs from step 1 (a schedule
-        # while the compile runs is empty, and shifts the steps by a timing).
+        # Compiled first, so that each request is scheduled at its first step.
         engine.structured_output.compile(request.sampling_params.structured_outputs).result()
         engine.add_request(request)
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     while engine.has_unfinished_requests:
-        for out in engine.step().outputs:
-            tokens[out.request_id].extend(out.new_token_ids)
-    return tokens
+        engine.step()
 
 
-def _requests(max_tokens: int = 5) -> list[EngineCoreRequest]:
-    grammar = StructuredOutputsParams(regex="a(ba)*c")
-    return [EngineCoreRequest(f"g{i}", [5, 6, 7], SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, structured_outputs=grammar), eos_token_id=STOP)
-        for i in range(2)]
+def test_each_grammar_reaches_the_workers_once_until_they_may_be_new(toy_vocabulary):
+    """The first step that brings the workers a request under a grammar carries the compiled
+    grammar (and, before the first, the vocabulary); later requests under it carry its id
+    only; past the record's size the oldest is dropped; after a fault recovery (the workers
+    may be new processes) everything is sent again."""
+    import xgrammar as xgr
 
-
-class _SlowBatchMatcher:
-    """xgrammar's batch matcher, 20 ms late: a fill that outlasts the engine's schedule."""
-
-    def __init__(self, matcher) -> None:
-        self.matcher = matcher
-
-    def batch_fill_next_token_bitmask(self, *args) -> None:
-        time.sleep(0.02)
-        self.matcher.batch_fill_next_token_bitmask(*args)
-
-
-@pytest.mark.parametrize("fill", ["background", "slow_background", "inline"])
-def test_next_step_is_sent_before_the_bitmask_and_its_fill_starts_at_the_fold(
-        toy_vocabulary, fill, monkeypatch):
-    if fill == "slow_background":  # the bitmask goes out only once it is filled
-        batch_matcher = BitmaskFiller._batch_matcher
-        monkeypatch.setattr(BitmaskFiller, "_batch_matcher",
-                            lambda self, n: _SlowBatchMatcher(batch_matcher(self, n)))
-    engine, executor = _engine(toy_vocabulary, fill_in_background=fill != "inline")
+    config = build_engine_config(device="cpu", max_num_seqs=4, max_num_batched_tokens=64)
+    executor = _RecordingExecutor()
+    engine = EngineCore(config, executor, 128, tokenizer=toy_vocabulary)
+    shipments = engine.structured_output.shipments
+    shipments.max_held = 2
     try:
-        tokens = _run(engine, _requests())
+        _run(engine, [_request("r1", "a+"), _request("r2", "a+")])
+        _run(engine, [_request("r3", "a+")])
+        _run(engine, [_request("r4", "(ab)+"), _request("r5", "c|a+")])
+        engine.drop_all_requests()
+        _run(engine, [_request("r6", "a+")])
     finally:
         engine.shutdown()
-    # Greedy under "a(ba)*c" with the lowest allowed token: a b a b a, then max_tokens.
-    assert tokens == {"g0": [0, 1, 0, 1, 0], "g1": [0, 1, 0, 1, 0]}
-    calls = [c for c in executor.calls if c[0] != "output"]
-    assert calls[:10] == [
-        ("execute", 1), ("fill", 1),  # nothing before step 1: its fill starts at once
-        ("execute", 2), ("sample", 1), ("fold", 1), ("fill", 2),
-        ("execute", 3), ("sample", 2), ("fold", 2), ("fill", 3)]
-    # Every step N: filled right after step N-1 folds, before step N+1 goes out, and its
-    # bitmask sent only after step N+1 went out.
-    at = {call: i for i, call in enumerate(calls)}
-    last = max(n for kind, n in calls if kind == "execute")
-    for n in range(2, last):
-        assert at[("fold", n - 1)] < at[("fill", n)] < at[("execute", n + 1)] < at[("sample", n)]
-
-
-def test_synchronous_engine_sends_each_bitmask_right_after_its_step(toy_vocabulary):
-    engine, executor = _engine(toy_vocabulary, async_scheduling=False)
-    try:
-        tokens = _run(engine, _requests(3))
-    finally:
-        engine.shutdown()
-    assert tokens == {"g0": [0, 1, 0], "g1": [0, 1, 0]}
-    assert [c for c in executor.calls if c[0] != "output"] == [
-        ("execute", 1), ("fill", 1), ("sample", 1), ("fold", 1),
-        ("execute", 2), ("fill", 2), ("sample", 2), ("fold", 2),
-        ("execute", 3), ("fill", 3), ("sample", 3), ("fold", 3)]
+    shipped = [(s.step_id, [(n.request_id, n.grammar_id) for n in s.new_requests],
+                sorted(s.grammars), s.grammar_vocabulary is not None, s.dropped_grammar_ids)
+               for s in executor.steps if s.new_requests or s.grammars or s.dropped_grammar_ids]
+    ids = {rid: gid for _, news, *_ in shipped for rid, gid in news}
+    a, ab, c = ids["r1"], ids["r4"], ids["r5"]
+    assert len({a, ab, c}) == 3 and ids["r2"] == ids["r3"] == ids["r6"] == a
+    assert [(news, grammars, vocab, dropped) for _, news, grammars, vocab, dropped in shipped] == [
+        ([("r1", a), ("r2", a)], [a], True, []),
+        ([("r3", a)], [], False, []),
+        ([("r4", ab), ("r5", c)], sorted([ab, c]), False, [a]),
+        ([("r6", a)], [a], True, []),  # after recovery: the vocabulary and grammar again
+    ]
+    first = next(s for s in executor.steps if s.grammars)
+    # What a worker builds from them: the vocabulary and a grammar that matches like ours.
+    vocabulary = xgr.TokenizerInfo.deserialize_json(bytes(first.grammar_vocabulary).decode())
+    compiled = xgr.CompiledGrammar.deserialize_json(bytes(first.grammars[a]).decode(),
+                                                    vocabulary)
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_token(0) and not matcher.accept_token(1)
 
 
 # --------------------------------------------------------------- the runner, on the model
@@ -241,90 +175,89 @@ def mixed_reference(chat_ids) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def async_llm():
-    """An async-scheduling engine whose grammar steps hold the next step (as on a GPU)."""
+    """An async-scheduling engine whose decode steps replay the graph runner's path."""
     with LLM(dtype="float32", max_model_len=256) as llm:
-        llm.engine.structured_output.fill_in_background = True  # as on a GPU host's cores
         runner = llm.engine.executor.runner
         runner.graph_runner = runner.build_graph_runner()
         yield llm
 
 
-def test_runner_launches_a_step_held_behind_a_bitmask_right_after_that_sampling(
+def test_runner_fills_a_grammar_steps_bitmask_after_launching_its_forward(
         async_llm, chat_ids, mixed_reference, monkeypatch):
-    """Through the in-process runner: step N+1 arrives before step N's bitmask and runs no
-    forward until step N samples; every row's greedy tokens equal the synchronous engine's."""
+    """Through the in-process runner: each grammar step's bitmask is filled after that step's
+    forward was launched and before it samples, from matchers that have taken every token but
+    the one it samples; every row's greedy tokens equal the synchronous engine's."""
     prompts, params = _mixed_batch(chat_ids)
     runner = async_llm.engine.executor.runner
-    events: list[tuple[str, int]] = []
-    forward, sample, execute = runner.model.forward, runner._sample, runner.execute_model_async
+    events: list[tuple] = []
+    forward, sample, mask = runner.model.forward, runner._sample, runner.grammars.mask
+    execute = runner.execute_model_async
     step_of = {"id": 0}
 
     def recorded_execute(sched):
         step_of["id"] = sched.step_id
-        events.append(("execute", sched.step_id))
         return execute(sched)
 
     def recorded_forward(*args, **kwargs):
         events.append(("forward", step_of["id"]))
         return forward(*args, **kwargs)
 
+    def recorded_mask(logits, rows):
+        lengths = sorted(g.num_accepted for _, g in rows)
+        events.append(("fill", step_of["id"], lengths))
+        return mask(logits, rows)
+
     def recorded_sample(logits, states):
-        events.append(("sample", len(states)))
+        events.append(("sample", step_of["id"]))
         return sample(logits, states)
 
     monkeypatch.setattr(runner, "execute_model_async", recorded_execute)
     monkeypatch.setattr(runner.model, "forward", recorded_forward)
+    monkeypatch.setattr(runner.grammars, "mask", recorded_mask)
     monkeypatch.setattr(runner, "_sample", recorded_sample)
     outs = async_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == mixed_reference
-    # Steady decode (every row running, all under grammar but the free one): each step's
-    # forward follows the previous step's sampling, and comes after the next execute arrived.
-    kinds = [kind for kind, _ in events]
-    held = [i for i in range(1, len(events) - 2)
-            if events[i][0] == "execute" and kinds[i + 1:i + 3] == ["sample", "forward"]]
-    assert len(held) >= 10, events[:40]
-    for i in held:
-        assert events[i + 2] == ("forward", events[i][1])
+    fills = [i for i, e in enumerate(events) if e[0] == "fill"]
+    assert len(fills) >= 10, events[:40]
+    for i in fills:
+        step = events[i][1]
+        assert events[i - 1] == ("forward", step) and events[i + 1] == ("sample", step)
+    # The three grammar rows decode side by side: at each fill after the first their matchers
+    # hold one token more than at the one before (none is left behind by a step in flight).
+    lengths = [events[i][2] for i in fills]
+    steady = [ls for ls in lengths if len(ls) == 3]
+    assert steady[0] == [0, 0, 0]
+    assert all(b == [n + 1 for n in a] for a, b in itertools.pairwise(steady) if b[0] > 0)
 
 
 class _Interrupt(Exception):
     pass
 
 
-def test_a_step_interrupted_behind_a_bitmask_leaves_the_llm_usable(
+def test_a_step_interrupted_in_its_fill_leaves_the_llm_usable(
         async_llm, chat_ids, mixed_reference, monkeypatch):
-    """A generate stopped between a grammar step's sampling and the launch of the step held
-    behind it (where a test's timeout once struck, in that step's forward) raises; the next
-    generate on the same LLM gets the reference tokens (it failed: 'step N was asked for its
-    tokens before it sampled')."""
+    """A generate stopped inside a grammar step's fill (after its forward, before it samples)
+    raises; the next generate on the same LLM gets the reference tokens."""
     prompts, params = _mixed_batch(chat_ids)
     runner = async_llm.engine.executor.runner
-    sample_tokens, launch = runner.sample_tokens, runner._launch
-    interrupted: list[int] = []  # the held step whose launch is interrupted
+    mask, calls = runner.grammars.mask, []
 
-    def sample_then_interrupt(msg):
-        if msg.step_id >= 8 and runner._held is not None and not interrupted:
-            interrupted.append(runner._held.sched.step_id)
-        return sample_tokens(msg)
-
-    def launch_or_interrupt(step):
-        if interrupted and step.sched.step_id == interrupted[0]:
+    def mask_or_interrupt(logits, rows):
+        calls.append(1)
+        if len(calls) == 8:
             raise _Interrupt
-        return launch(step)
+        return mask(logits, rows)
 
-    monkeypatch.setattr(runner, "sample_tokens", sample_then_interrupt)
-    monkeypatch.setattr(runner, "_launch", launch_or_interrupt)
+    monkeypatch.setattr(runner.grammars, "mask", mask_or_interrupt)
     with pytest.raises(_Interrupt):
         async_llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()
-    assert interrupted
     outs = async_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == mixed_reference
 
 
 def test_parallel_fill_equals_each_matchers_own(chat_ids):
-    """A fill split over xgrammar's threads, on the fill thread or not, writes exactly what
-    each matcher fills alone."""
+    """A fill split over xgrammar's threads writes exactly what each matcher fills alone."""
     import xgrammar as xgr
 
     from bastion.core.config import ModelConfig
@@ -342,21 +275,14 @@ def test_parallel_fill_equals_each_matchers_own(chat_ids):
         assert g.matcher.accept_string('{"a'[:i % 4])
     grammars[3].is_active = False  # a reasoning row before its start token: everything
     words = xgr.get_bitmask_shape(1, vocab_size)[1]
-    msgs = []
-    for background in (True, False):
-        filler = BitmaskFiller(num_threads=2, background=background)
-        msgs.append(filler.fill(7, [f"r{i}" for i in range(20)], grammars, words).result())
-        filler.shutdown()
-    msg = msgs[0]
-    assert msgs[1] == msg
-    got = np.frombuffer(msg.bitmask, dtype=np.int32).reshape(20, words)
+    got = np.zeros((20, words), dtype=np.int32)
+    BitmaskFiller(num_threads=2).fill(grammars, got)  # 20 rows: split over its threads
     expected = np.empty_like(got)
     for i, g in enumerate(grammars):
         if g.is_active:
             g.matcher.fill_next_token_bitmask(expected, i)
         else:
             expected[i] = -1
-    assert msg.step_id == 7 and msg.num_words == words
     assert np.array_equal(got, expected)
     assert not np.array_equal(got[0], got[2])  # the states differ, so do the rows
 
@@ -390,15 +316,13 @@ def test_a_grammar_is_terminated_exactly_when_its_matcher_is(chat_ids):
 def test_bitmask_rows_follow_the_logits_order_when_every_row_has_a_grammar():
     logits = torch.randn(3, 64)
     bitmask = torch.tensor([[1, 0], [2, 0], [0, 1 << 4]], dtype=torch.int32)
-    msg = GrammarBitmask(1, ["a", "b", "c"], memoryview(bitmask.numpy().reshape(-1).view(
-        np.uint8)), 2)
     out = logits.clone()
-    apply_grammar_bitmask(out, msg, {"a": 2, "b": 0, "c": 1})
+    apply_grammar_bitmask(out, bitmask.numpy(), [2, 0, 1])
     reference = logits.clone()
     apply_token_bitmask_reference(reference, bitmask, [2, 0, 1])
     assert torch.equal(out, reference)
     assert [torch.isfinite(row).nonzero().flatten().tolist() for row in out] == [[1], [36], [0]]
-    # Every logits row the message's, in its order: one mask over the whole tensor.
+    # Every logits row masked, in order: one mask over the whole tensor.
     out = logits.clone()
-    apply_grammar_bitmask(out, msg, {"a": 0, "b": 1, "c": 2})
+    apply_grammar_bitmask(out, bitmask.numpy(), [0, 1, 2])
     assert [torch.isfinite(row).nonzero().flatten().tolist() for row in out] == [[0], [1], [36]]

@@ -24,14 +24,15 @@ from bastion.core.structured_output.bitmask import (
     apply_grammar_bitmask,
     apply_token_bitmask_reference,
 )
+from bastion.core.structured_output.manager import GrammarShipments
 from bastion.core.structured_output.spec import GrammarSpecError, check_spec, choice_grammar
 from bastion.ipc.codec import MsgKind, decode, encode
 from bastion.ipc.messages import (
     EngineCoreRequest,
     FinishReason,
-    GrammarBitmask,
     ModelRunnerOutput,
     SamplingParams,
+    SchedulerOutput,
     StructuredOutputsParams,
 )
 
@@ -229,6 +230,7 @@ class _SlowCompiles:
 
     def __init__(self) -> None:
         self.futures: list[Future] = []
+        self.shipments = GrammarShipments(8)
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         self.futures.append(Future())
@@ -281,17 +283,15 @@ def test_a_failed_compile_is_an_error_output_and_frees_the_request():
 
 
 def test_bitmask_masks_exactly_its_rows_and_bits():
-    """The CPU path, as the runner calls it, against the torch reference: rows mapped by
-    request id, rows of other requests untouched."""
+    """The CPU path, as the runner calls it, against the torch reference: each bitmask row
+    masks the logits row it is mapped to, other rows untouched."""
     logits = torch.randn(3, 40)
     bitmask = torch.zeros(3, 2, dtype=torch.int32)
     bitmask[0, 0] = (1 << 3) - (1 << 31)  # tokens 3 and 31 (the sign bit of an int32)
     bitmask[0, 1] = 1 << 5  # token 37
     bitmask[2, 0] = 1 << 0
-    # "gone" finished while the step ran: the runner has no row for it.
-    msg = GrammarBitmask(1, ["a", "gone", "b"], bitmask.numpy().tobytes(), 2)
     out = logits.clone()
-    apply_grammar_bitmask(out, msg, {"a": 2, "b": 0, "free": 1})
+    apply_grammar_bitmask(out, bitmask[[0, 2]].numpy(), [2, 0])
     reference = logits.clone()
     apply_token_bitmask_reference(reference, bitmask[[0, 2]], [2, 0])
     assert torch.equal(out, reference)
@@ -300,7 +300,11 @@ def test_bitmask_masks_exactly_its_rows_and_bits():
     assert torch.equal(out[1], logits[1])
 
 
-def test_grammar_bitmask_travels_through_the_codec():
-    msg = GrammarBitmask(5, ["a", "b"], np.arange(6, dtype=np.int32).tobytes(), 3)
-    kind, back = decode(encode(msg))
-    assert kind == MsgKind.GRAMMAR_BITMASK and back == msg
+def test_shipped_grammars_travel_through_the_codec():
+    sched = SchedulerOutput(step_id=5, grammars={"g1": b'{"a": 1}'},
+                            grammar_vocabulary=np.arange(6, dtype=np.int32).tobytes(),
+                            dropped_grammar_ids=["g0"])
+    kind, back = decode(encode(sched))
+    assert kind == MsgKind.EXECUTE
+    assert (bytes(back.grammars["g1"]), bytes(back.grammar_vocabulary),
+            back.dropped_grammar_ids) == (b'{"a": 1}', sched.grammar_vocabulary, ["g0"])

@@ -982,28 +982,29 @@ def test_attention_config_from_the_environment_keeps_unset_fields(
 @requires_cuda
 def test_gpu_grammar_bitmask_applier_matches_the_reference() -> None:
     """The runner's applier on a GPU: Qwen3's vocabulary, bitmask rows for a permuted subset
-    of the logits rows (one request not in this batch), applied twice through the same pinned
-    buffers; the rows without a grammar stay as they were."""
+    of the logits rows, applied twice through the same pinned buffers (once copied in, once
+    filled in place as the runner does); the rows without a grammar stay as they were."""
     import numpy as np
 
     from bastion.core.structured_output.bitmask import (
         GrammarBitmaskApplier,
         apply_token_bitmask_reference,
     )
-    from bastion.ipc.messages import GrammarBitmask
 
     gen = torch.Generator().manual_seed(2)
     vocab, words = 151936, 4748
     applier = GrammarBitmaskApplier()
     for step in range(2):
         logits = torch.randn(8, vocab, generator=gen).to(_DEV)
-        bitmask = torch.randint(-2**31, 2**31 - 1, (4, words), generator=gen,
+        bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=gen,
                                 dtype=torch.int64).to(torch.int32)
-        msg = GrammarBitmask(step, ["a", "b", "gone", "c"],
-                             memoryview(bitmask.numpy().reshape(-1).view(np.uint8)), words)
+        rows = bitmask.numpy()
+        if step == 1:
+            rows = applier.buffer(3, words, logits.device)
+            np.copyto(rows, bitmask.numpy())
         out = logits.clone()
-        applier.apply(out, msg, {"a": 5, "b": 0, "c": 3, "free": 1})
+        applier.apply(out, rows, [5, 0, 3])
         reference = logits.clone()
-        apply_token_bitmask_reference(reference, bitmask[[0, 1, 3]].to(_DEV), [5, 0, 3])
+        apply_token_bitmask_reference(reference, bitmask.to(_DEV), [5, 0, 3])
         assert torch.equal(out, reference)
         assert torch.equal(out[1], logits[1])

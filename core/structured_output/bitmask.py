@@ -7,37 +7,38 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bastion.ipc.messages import GrammarBitmask
-
 
 class GrammarBitmaskApplier:
     """Applies bitmasks for one model runner. On a GPU the rows travel through pinned host
-    buffers kept from step to step, as they were filled (a row map says which logits row each
-    one masks, ``ops/triton/grammar_bitmask.py``): one host copy, two transfers that do not
-    block, one launch."""
+    buffers kept from step to step (a row map says which logits row each one masks,
+    ``ops/triton/grammar_bitmask.py``): one host copy, two transfers that do not block, one
+    launch."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None  # pinned int32 [rows, words], grown on demand
         self._host_rows: torch.Tensor | None = None  # pinned int32 [rows]: each one's logits row
         self._copied: torch.cuda.Event | None = None  # the last transfer out of them
 
-    def apply(self, logits: torch.Tensor, msg: GrammarBitmask, row_of: dict[str, int]) -> None:
-        """In place: each row ``row_of[request_id]`` of ``logits`` keeps only the tokens its
-        request's bitmask row allows. Rows of requests not in ``msg`` are not touched."""
-        pairs = [(row_of[rid], i) for i, rid in enumerate(msg.request_ids) if rid in row_of]
-        if not pairs:
+    def buffer(self, num_rows: int, num_words: int, device: torch.device) -> np.ndarray:
+        """Where to fill ``num_rows`` rows for logits on ``device``: the pinned buffer that the
+        transfer reads (no copy in ``apply``) on a GPU."""
+        if device.type == "cuda":
+            return self._buffers(num_rows, num_words)[0]
+        return np.empty((num_rows, num_words), dtype=np.int32)
+
+    def apply(self, logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+        """In place: logits row ``rows[i]`` keeps only the tokens bitmask row ``i`` allows
+        (int32 words, little-endian: bit ``t % 32`` of word ``t // 32`` is token ``t``).
+        Other rows are not touched."""
+        if not rows:
             return
-        sent = np.frombuffer(msg.bitmask, dtype=np.int32).reshape(len(msg.request_ids),
-                                                                  msg.num_words)
         if logits.is_cuda:
-            self._apply_on_device(logits, sent, pairs)
+            self._apply_on_device(logits, bitmask, rows)
             return
-        # NOTE: numpy unpacks the bits (bit t of word w is token 32 w + t, little-endian) and
-        # torch masks; at 32 rows of a 49k vocabulary that is 1.1 ms against 5.3 for xgrammar's
-        # CPU kernel.
-        rows = [row for row, _ in pairs]
-        bits = np.unpackbits(sent[[i for _, i in pairs]].view(np.uint8), axis=1,
-                             count=logits.shape[1], bitorder="little")
+        # NOTE: numpy unpacks the bits and torch masks; at 32 rows of a 49k vocabulary that is
+        # 1.1 ms against 5.3 for xgrammar's CPU kernel.
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=logits.shape[1],
+                             bitorder="little")
         disallowed = torch.from_numpy(bits == 0)
         if rows == list(range(logits.shape[0])):
             logits.masked_fill_(disallowed, float("-inf"))
@@ -45,40 +46,38 @@ class GrammarBitmaskApplier:
         for j, row in enumerate(rows):
             logits[row].masked_fill_(disallowed[j], float("-inf"))
 
-    def _apply_on_device(self, logits: torch.Tensor, sent: np.ndarray,
-                         pairs: list[tuple[int, int]]) -> None:
+    def _apply_on_device(self, logits: torch.Tensor, bitmask: np.ndarray,
+                         rows: list[int]) -> None:
         from bastion.ops.triton.grammar_bitmask import apply_bitmask_rows_triton
 
-        num_rows = len(pairs)
-        host, host_rows = self._buffers(num_rows, sent.shape[1])
-        if num_rows == sent.shape[0] and all(i == j for j, (_, i) in enumerate(pairs)):
-            np.copyto(host, sent)  # every row sent is this runner's, in order: one memcpy
-        else:
-            np.take(sent, [i for _, i in pairs], axis=0, out=host)
-        host_rows[:] = [row for row, _ in pairs]
-        bitmask = self._host[:num_rows].to(logits.device, non_blocking=True)
-        rows = self._host_rows[:num_rows].to(logits.device, non_blocking=True)
+        num_rows = len(rows)
+        host, host_rows = self._buffers(num_rows, bitmask.shape[1])
+        if bitmask.ctypes.data != host.ctypes.data:  # not filled in place (``buffer``)
+            np.copyto(host, bitmask)
+        host_rows[:] = rows
+        device_bitmask = self._host[:num_rows].to(logits.device, non_blocking=True)
+        device_rows = self._host_rows[:num_rows].to(logits.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        apply_bitmask_rows_triton(logits, bitmask, rows)
+        apply_bitmask_rows_triton(logits, device_bitmask, device_rows)
 
     def _buffers(self, num_rows: int, num_words: int) -> tuple[np.ndarray, np.ndarray]:
         """Views of the pinned buffers for ``num_rows`` rows, once the transfers that last read
         them have run (they have: the step they served has sampled since)."""
         if self._copied is not None:
             self._copied.synchronize()
+            self._copied = None
         host = self._host
         if host is None or host.shape[0] < num_rows or host.shape[1] != num_words:
-            rows = max(num_rows, 0 if host is None else host.shape[0])
-            self._host = torch.empty((rows, num_words), dtype=torch.int32, pin_memory=True)
-            self._host_rows = torch.empty(rows, dtype=torch.int32, pin_memory=True)
+            size = max(num_rows, 0 if host is None else host.shape[0])
+            self._host = torch.empty((size, num_words), dtype=torch.int32, pin_memory=True)
+            self._host_rows = torch.empty(size, dtype=torch.int32, pin_memory=True)
         return self._host[:num_rows].numpy(), self._host_rows[:num_rows].numpy()
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, msg: GrammarBitmask,
-                          row_of: dict[str, int]) -> None:
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
     """``GrammarBitmaskApplier.apply`` without a buffer kept between calls."""
-    GrammarBitmaskApplier().apply(logits, msg, row_of)
+    GrammarBitmaskApplier().apply(logits, bitmask, rows)
 
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor,

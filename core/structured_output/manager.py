@@ -1,24 +1,28 @@
 """Grammars for the engine core: compiled off the busy loop, cached, matched per request, and
-turned into each step's next-token bitmask.
+sent to the workers, which fill each step's next-token bitmask.
 
-The matchers live here, in the process that schedules (as in vLLM V1): the scheduler advances
-a request's matcher by exactly the tokens it appends, and once the step before a launched step
-is folded in the engine fills that step's bitmask (on the fill thread, ``fill``) while the device
-computes the forward; the workers only apply it.
+A grammar's compiled form exists twice. The engine's matcher (``RequestGrammar``, advanced by
+the scheduler by exactly the tokens it appends) decides when a request's grammar is complete
+and whether a token broke it. TP rank 0's worker keeps a matcher of its own per request
+(``structured_output.worker``), advanced by the tokens it sampled, and fills the bitmask while
+the device runs the step's forward: the mask is then on no round trip between processes (in
+SGLang the scheduler that holds the matchers shares the worker's process for the same
+reason). The engine compiles once and sends the compiled grammar (xgrammar's serialized form)
+to the workers with the first step that brings them a request under it (``GrammarShipments``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from bastion.core.structured_output.fill import BitmaskFill, BitmaskFiller
 from bastion.core.structured_output.spec import (
     JSON_SCHEMA_OPTIONS,
     GrammarKey,
@@ -26,7 +30,7 @@ from bastion.core.structured_output.spec import (
     clean_error,
     grammar_key,
 )
-from bastion.ipc.messages import StructuredOutputsParams
+from bastion.ipc.messages import SchedulerOutput, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from bastion.core.request import Request
@@ -52,15 +56,26 @@ class RequestGrammar:
         # one call fewer per grammar row and step.
         self._stop_token_ids = frozenset(self.matcher.stop_token_ids)
         self.is_terminated = False
+        self.num_accepted = 0  # output tokens consumed
 
     def accept(self, token_id: int) -> bool:
         """Advance by one output token; False when the grammar does not allow it."""
         if not self.is_active:
             self.is_active = token_id == self.start_after_token_id
+            self.num_accepted += 1
             return True
         if not self.matcher.accept_token(token_id):
             return False
         self.is_terminated = token_id in self._stop_token_ids
+        self.num_accepted += 1
+        return True
+
+    def catch_up(self, token_ids: list[int]) -> bool:
+        """Accept ``token_ids[self.num_accepted:]`` (a worker's matcher follows the request's
+        output list); False when one is refused (the grammar is then left where it stopped)."""
+        while self.num_accepted < len(token_ids):
+            if not self.accept(token_ids[self.num_accepted]):
+                return False
         return True
 
     def allows_no_token(self) -> bool:
@@ -73,17 +88,25 @@ class RequestGrammar:
         return not bool(bitmask.any())
 
 
+class CompiledGrammar(NamedTuple):
+    """A compile's result: xgrammar's compiled grammar, its id on the wire (a digest of its
+    key) and its serialized form for the workers."""
+
+    grammar: Any
+    grammar_id: str
+    payload: bytes
+
+
 class StructuredOutputManager:
-    """Compiles (on its own threads), caches by ``GrammarKey`` and fills bitmasks (``fill``;
-    ``max_fill_threads``: xgrammar threads one large fill is split over).
+    """Compiles (on its own threads) and caches by ``GrammarKey``; keeps the record of what the
+    workers hold (``shipments``).
 
     ``load_tokenizer`` is called once, on a compile thread, when the first grammar arrives: a
     server that never sees one never pays for the vocabulary's table.
     """
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: Callable[[], int],
-                 max_compile_threads: int = 2, max_cached: int = 256,
-                 max_fill_threads: int | None = None) -> None:
+                 max_compile_threads: int = 2, max_cached: int = 256) -> None:
         self._load_tokenizer = load_tokenizer
         self._vocab_size = vocab_size
         self._pool = ThreadPoolExecutor(max_compile_threads, thread_name_prefix="grammar")
@@ -91,12 +114,8 @@ class StructuredOutputManager:
         self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._max_cached = max_cached
-        self._max_fill_threads = max_fill_threads
-        # None: on a thread of its own when this process has the cores (``fill``); read when
-        # the first bitmask is filled.
-        self.fill_in_background: bool | None = None
-        self._filler: BitmaskFiller | None = None
-        self.num_words = 0  # int32 words of one bitmask row, known once the compiler exists
+        self.vocabulary = b""  # the compiler's TokenizerInfo, serialized, once it exists
+        self.shipments = GrammarShipments(max_cached)
 
     # --------------------------------------------------------------------------- compile
 
@@ -106,7 +125,7 @@ class StructuredOutputManager:
         self._load_tokenizer = lambda: tokenizer
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
-        """The compiled grammar of ``spec``, as a future (shared by equal specs)."""
+        """The ``CompiledGrammar`` of ``spec``, as a future (shared by equal specs)."""
         key = grammar_key(spec)
         future = self._cache.get(key)
         if future is not None:
@@ -128,58 +147,104 @@ class StructuredOutputManager:
                 # A ready TokenizerInfo is taken as it is (benchmarks of dummy models).
                 info = (tokenizer if isinstance(tokenizer, xgr.TokenizerInfo) else
                         xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+                self.vocabulary = info.serialize_json().encode()
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-                self.num_words = int(xgr.get_bitmask_shape(1, vocab_size)[1])
                 logger.info("structured outputs: grammar compiler for a vocabulary of %d "
                             "built in %.2f s", vocab_size, time.perf_counter() - start)
             return self._compiler
 
-    def _compile(self, key: GrammarKey) -> Any:
+    def _compile(self, key: GrammarKey) -> CompiledGrammar:
         compiler = self._compiler_for()
         try:
             if key.kind == "json":
-                return compiler.compile_json_schema(key.text, **JSON_SCHEMA_OPTIONS)
-            if key.kind == "regex":
-                return compiler.compile_regex(key.text)
-            if key.kind == "grammar":
-                return compiler.compile_grammar(key.text)
-            return compiler.compile_builtin_json_grammar()
+                compiled = compiler.compile_json_schema(key.text, **JSON_SCHEMA_OPTIONS)
+            elif key.kind == "regex":
+                compiled = compiler.compile_regex(key.text)
+            elif key.kind == "grammar":
+                compiled = compiler.compile_grammar(key.text)
+            else:
+                compiled = compiler.compile_builtin_json_grammar()
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others
             raise GrammarSpecError(f"the {key.kind} grammar cannot be compiled: "
                                    f"{clean_error(exc)}") from None
+        digest = hashlib.blake2b(f"{key.kind}\0{key.text}".encode(), digest_size=12).hexdigest()
+        return CompiledGrammar(compiled, digest, compiled.serialize_json().encode())
 
-    @staticmethod
-    def attach_grammar(request: Request) -> None:
+    def attach_grammar(self, request: Request) -> None:
         """Give a request whose compilation finished its matcher, advanced by the tokens it
         already has (a request resumed after a fault continues its grammar from the tokens it
         streamed; a preempted one keeps its matcher). Raises ``GrammarSpecError``."""
         compiled = request.grammar_future.result()  # raises the compile's GrammarSpecError
         request.grammar_future = None
         spec = request.sampling_params.structured_outputs
-        grammar = RequestGrammar(compiled, request.eos_token_id, spec.start_after_token_id)
-        for token_id in request.output_token_ids:
-            if not grammar.accept(token_id):
-                # Not the client's input: its tokens were made under this grammar.
-                raise ValueError(f"the request's tokens so far do not match its grammar "
-                                 f"(token {token_id})")
-        request.grammar = grammar
+        grammar = RequestGrammar(compiled.grammar, request.eos_token_id,
+                                 spec.start_after_token_id)
+        if not grammar.catch_up(request.output_token_ids):
+            # Not the client's input: its tokens were made under this grammar.
+            raise ValueError(f"the request's tokens so far do not match its grammar (token "
+                             f"{request.output_token_ids[grammar.num_accepted]})")
+        request.grammar, request.compiled_grammar = grammar, compiled
+
+    def ship(self, request: Request) -> str | None:
+        """The id of ``request``'s grammar for its ``NewRequestData``, recording the grammar
+        (and before the first, the vocabulary) for the step's shipment."""
+        compiled = request.compiled_grammar
+        if compiled is None:
+            return None
+        self.shipments.add(compiled, self.vocabulary)
+        return compiled.grammar_id
 
     @staticmethod
     def wait_any(futures: list[Future], timeout_s: float) -> None:
         concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
 
-    # ------------------------------------------------------------------------- bitmask
-
-    def fill_bitmask(self, step_id: int, request_ids: list[str],
-                     grammars: list[RequestGrammar]) -> BitmaskFill:
-        """Start filling one step's bitmask: row ``i`` is what ``grammars[i]`` allows next (a
-        grammar not active yet allows everything). Its matchers must not be advanced before the
-        fill's ``result()``."""
-        if self._filler is None:
-            self._filler = BitmaskFiller(self._max_fill_threads, self.fill_in_background)
-        return self._filler.fill(step_id, request_ids, grammars, self.num_words)
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._filler is not None:
-            self._filler.shutdown()
+
+
+class GrammarShipments:
+    """The engine's record of the compiled grammars its workers hold (at most ``max_held``,
+    least recently shipped forgotten first) and what the next step must bring them.
+
+    The workers learn a grammar from the step that first brings them a request under it, and
+    the vocabulary before the first grammar. ``forget`` (fault recovery: the workers may be new
+    processes) starts over.
+    """
+
+    def __init__(self, max_held: int) -> None:
+        self.max_held = max_held
+        self._held: OrderedDict[str, None] = OrderedDict()
+        self._vocabulary_sent = False
+        self._grammars: dict[str, bytes] = {}
+        self._vocabulary: bytes | None = None
+        self._dropped: list[str] = []
+
+    def add(self, compiled: CompiledGrammar, vocabulary: bytes) -> None:
+        if not self._vocabulary_sent:
+            self._vocabulary, self._vocabulary_sent = vocabulary, True
+        grammar_id = compiled.grammar_id
+        if grammar_id in self._held:
+            self._held.move_to_end(grammar_id)
+            return
+        self._held[grammar_id] = None
+        self._grammars[grammar_id] = compiled.payload
+        # NOTE: never one this step brings: a request of this step needs it.
+        for old in [g for g in self._held if g not in self._grammars][
+                :max(len(self._held) - self.max_held, 0)]:
+            del self._held[old]
+            self._dropped.append(old)
+
+    def take(self, out: SchedulerOutput) -> None:
+        """Put what the workers must learn before ``out`` runs into it."""
+        if self._grammars:
+            out.grammars, self._grammars = self._grammars, {}
+        if self._vocabulary is not None:
+            out.grammar_vocabulary, self._vocabulary = self._vocabulary, None
+        if self._dropped:
+            out.dropped_grammar_ids, self._dropped = self._dropped, []
+
+    def forget(self) -> None:
+        self._held.clear()
+        self._grammars.clear()
+        self._dropped.clear()
+        self._vocabulary, self._vocabulary_sent = None, False
