@@ -32,6 +32,12 @@ def _levels(value: str) -> int:
     return int(value)
 
 
+def _count(value: str) -> int:
+    if not value.isdigit():
+        raise ValueError("must be a whole number (0: the default)")
+    return int(value)
+
+
 def _text(value: str) -> str:
     return value.strip()
 
@@ -71,6 +77,9 @@ VARIABLES: dict[str, EnvVar] = {
         "a layer is built: 2 quantizes them to 16-bit integers per 32 (below bfloat16's "
         "rounding), 1 to int8 (llama.cpp's scheme; faster, but the embedded model's decode "
         "logprobs then move past tests/test_quantized.py's bound)"),
+    "BASTION_GRAMMAR_FILL_THREADS": EnvVar(
+        0, _count, "threads xgrammar splits one bitmask fill of 16 or more rows over "
+        "(core/structured_output/fill.py); 0: half the cores the worker may run on, at most 8"),
     "BASTION_LORA_SIDE_STREAM": EnvVar(
         True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
         "in captured graphs (core/lora/layers.py)"),

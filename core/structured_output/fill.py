@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from bastion import envs
+
 # Rows from which one fill is split over xgrammar's threads (fewer are not worth starting them:
 # xgrammar starts its threads anew for every call, tens of microseconds each).
 _PARALLEL_MIN_ROWS = 16
@@ -30,7 +32,8 @@ class BitmaskFiller:
     """Fills bitmasks through xgrammar's batch API (``num_threads`` threads for a large one)."""
 
     def __init__(self, num_threads: int | None = None) -> None:
-        self.num_threads = num_threads or default_fill_threads()
+        self.num_threads = (num_threads or envs.get("BASTION_GRAMMAR_FILL_THREADS")
+                            or default_fill_threads())
         self._serial: Any = None  # xgrammar BatchGrammarMatcher(1) / (num_threads), on first use
         self._parallel: Any = None
 
