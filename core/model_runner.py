@@ -493,7 +493,7 @@ class ModelRunner:
                 return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
-        if sched.structured_output_request_ids:
+        if sched.structured_output_request_ids and self.grammars.enabled:
             self._fold_tokens(keep=0)  # the grammar rows' matchers need the tokens in flight
             self._mask_grammar_rows(logits, states, sched.structured_output_request_ids, {})
         # The rows' next tokens are this step's from now on: the next step, prepared before
@@ -509,8 +509,6 @@ class ModelRunner:
         """Advance each grammar row's matcher by the tokens its request has had since, and
         mask its logits row with what may come next (a row with ``d`` drafts has ``d + 1``
         logits rows; grammar rows have none)."""
-        if not self.grammars.enabled:
-            return
         wanted, rows, row = set(grammar_ids), [], 0
         for state in states:
             grammar = state.grammar
@@ -576,7 +574,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
         self._advance(sched)
-        if sched.structured_output_request_ids:
+        if sched.structured_output_request_ids and self.grammars.enabled:
             self._mask_grammar_rows(logits, states, sched.structured_output_request_ids, spec)
         return StepHandle.ready(self._verify_step(sched.step_id, logits, states, spec,
                                                   prompt_logprobs))
