@@ -219,6 +219,9 @@ def main() -> None:
                    help="uni: the worker in the engine's process (the offline LLM's default); "
                         "mp: a worker process, as a server runs it (its host work then no longer "
                         "shares the engine's interpreter)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run none then json this many times per batch size and report the "
+                        "medians (the overhead: the median of each round's)")
     p.add_argument("--breakdown", action="store_true",
                    help="also the engine thread's host time per step by part (median ms)")
     p.add_argument("--cprofile", type=int, default=None, metavar="BATCH",
@@ -248,35 +251,45 @@ def main() -> None:
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
     rows, breakdowns, profiles = [], [], []
     for batch in args.batch_sizes:
-        medians = {}
-        fill_ms = 0.0
-        for name, s in (("none", None), ("json", spec)):
-            timed_batch(engine, eos_token_id, device, batch, prompt, 8, s,
-                        f"warm-{name}-{batch}")
-            host = HostTimes() if args.breakdown else None
-            profiler = (cProfile.Profile() if args.cprofile == batch else None)
-            with sync_debug(profiler is not None and device == "cuda"), \
-                    torch_profile(args.torch_profile == batch and device == "cuda",
-                                  f"batch {batch} {name}"):
-                if profiler is not None:
-                    profiler.enable()
-                steps, fills = timed_batch(engine, eos_token_id, device, batch, prompt,
-                                           args.max_tokens, s, f"{name}-{batch}", host)
-                if profiler is not None:
-                    profiler.disable()
-                    profiles.append((batch, name, len(steps), profiler))
-            medians[name] = statistics.median(steps) * 1e3
-            if host is not None:
-                breakdowns.append((batch, name, host.medians_ms()))
-            if fills:
-                fill_ms = statistics.median(fills) * 1e3
-        rows.append((batch, medians["none"], medians["json"], fill_ms,
-                     100 * (medians["json"] / medians["none"] - 1)))
-    print(f"\n{title}, {args.max_tokens} tokens per request, prompt {args.prompt_len}")
+        medians: dict[str, list[float]] = {"none": [], "json": []}
+        fill_ms: list[float] = []
+        for round_ in range(args.rounds):
+            for name, s in (("none", None), ("json", spec)):
+                if round_ == 0:
+                    timed_batch(engine, eos_token_id, device, batch, prompt, 8, s,
+                                f"warm-{name}-{batch}")
+                host = HostTimes() if args.breakdown else None
+                profiler = (cProfile.Profile() if args.cprofile == batch else None)
+                with sync_debug(profiler is not None and device == "cuda"), \
+                        torch_profile(args.torch_profile == batch and device == "cuda",
+                                      f"batch {batch} {name}"):
+                    if profiler is not None:
+                        profiler.enable()
+                    steps, fills = timed_batch(engine, eos_token_id, device, batch, prompt,
+                                               args.max_tokens, s, f"{name}-{batch}-{round_}",
+                                               host)
+                    if profiler is not None:
+                        profiler.disable()
+                        profiles.append((batch, name, len(steps), profiler))
+                medians[name].append(statistics.median(steps) * 1e3)
+                if host is not None:
+                    breakdowns.append((batch, name, host.medians_ms()))
+                if fills:
+                    fill_ms.append(statistics.median(fills) * 1e3)
+        # Each round's json against the none just before it; the host's speed drifts between
+        # rounds more than within one.
+        overheads = [100 * (j / n - 1) for n, j in zip(medians["none"], medians["json"])]
+        rows.append((batch, statistics.median(medians["none"]),
+                     statistics.median(medians["json"]),
+                     statistics.median(fill_ms) if fill_ms else 0.0,
+                     statistics.median(overheads), overheads))
+    print(f"\n{title}, {args.max_tokens} tokens per request, prompt {args.prompt_len}, "
+          f"{args.rounds} round(s) of none then json (medians over rounds)")
     print(f"{'batch':>5} | {'step ms (none)':>14} | {'step ms (json)':>14} | "
-          f"{'fill ms':>7} | {'overhead':>8}")
-    for batch, none, js, fill_ms, pct in rows:
-        print(f"{batch:>5} | {none:>14.2f} | {js:>14.2f} | {fill_ms:>7.2f} | {pct:>+7.1f}%")
+          f"{'fill ms':>7} | {'overhead':>8} | each round")
+    for batch, none, js, fill, pct, each in rows:
+        print(f"{batch:>5} | {none:>14.2f} | {js:>14.2f} | {fill:>7.2f} | {pct:>+7.1f}% | "
+              + " ".join(f"{x:+.0f}%" for x in each))
     if breakdowns:
         print("\nhost time per step on the engine's thread, median ms")
         for columns in (HostTimes.PARTS, HostTimes.INNER, HostTimes.CALLS):
