@@ -32,7 +32,7 @@ from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
 from bastion.core.structured_output.manager import RequestGrammar
-from bastion.core.structured_output.worker import WorkerGrammars
+from bastion.core.structured_output.worker import GrammarRow, WorkerGrammars
 from bastion.ipc.messages import (
     Logprobs,
     LoRARequest,
@@ -471,6 +471,9 @@ class ModelRunner:
             if sched.is_dummy:
                 self._dummy_run(num_rows, self._can_replay(sched, num_rows))
             return handle
+        grammar_ids = sched.structured_output_request_ids if self.grammars.enabled else []
+        early = self._start_grammar_fill(grammar_ids) if grammar_ids and self.grammars.early \
+            else None
         prev = self.inflight[-1].sampled if self.inflight else None
         decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
         if decode is not None:
@@ -493,9 +496,11 @@ class ModelRunner:
                 return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
-        if sched.structured_output_request_ids and self.grammars.enabled:
+        if early is not None:
+            self._finish_grammar_fill(logits, states, *early)
+        elif grammar_ids:
             self._fold_tokens(keep=0)  # the grammar rows' matchers need the tokens in flight
-            self._mask_grammar_rows(logits, states, sched.structured_output_request_ids, {})
+            self._mask_grammar_rows(logits, states, grammar_ids, {})
         # The rows' next tokens are this step's from now on: the next step, prepared before
         # they reach the host, reads them on the device.
         for row, state in enumerate(states):
@@ -519,6 +524,29 @@ class ModelRunner:
                     state.grammar = None
             row += len(spec.get(state.request_id, ())) + 1
         self.grammars.mask(logits, rows)
+
+    def _start_grammar_fill(self, grammar_ids: list[str]):
+        """Start filling the grammar rows' bitmask on the fill thread (``BASTION_GRAMMAR_EARLY_
+        FILL``): each matcher takes its folded tokens and its token in the step in flight."""
+        pending = self.inflight[-1] if self.inflight else None
+        rows = []
+        for request_id in grammar_ids:
+            state = self.requests[request_id]
+            grammar = state.grammar
+            if grammar is None:
+                continue
+            rows.append(GrammarRow(request_id, grammar,
+                                   state.output_token_ids[grammar.num_accepted:],
+                                   state.pending_row if state.num_pending else None))
+        return rows, self.grammars.start_fill(rows, pending, self.device)
+
+    def _finish_grammar_fill(self, logits: torch.Tensor, states: list[CachedRequestState],
+                             rows: list[GrammarRow], fill) -> None:
+        self.grammars.finish_fill(logits, fill,
+                                  {s.request_id: i for i, s in enumerate(states)})
+        for row in rows:
+            if row.broken:  # the engine ends the request; its rows sample unmasked meanwhile
+                self.requests[row.request_id].grammar = None
 
     def _sample_step(self, handle: StepHandle, logits: torch.Tensor,
                      states: list[CachedRequestState]) -> StepHandle:

@@ -3,16 +3,25 @@ per grammar request, and each grammar step's bitmask, filled while the device ru
 forward and applied to its logits before sampling.
 
 Only TP rank 0 keeps them: every rank samples, but all take rank 0's tokens.
+
+With ``BASTION_GRAMMAR_EARLY_FILL=1`` the fill starts with the step instead (``start_fill``):
+on a thread of its own, it waits for the previous step's tokens, advances the matchers and
+fills while the runner's thread prepares and launches the forward (xgrammar's fill releases
+the GIL); the runner then only applies it (``finish_fill``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from bastion import envs
 from bastion.core.structured_output.bitmask import GrammarBitmaskApplier
 from bastion.core.structured_output.fill import BitmaskFiller
 from bastion.core.structured_output.manager import RequestGrammar
@@ -29,6 +38,8 @@ class WorkerGrammars:
         self._compiled: dict[str, Any] = {}
         self._filler = BitmaskFiller()
         self._applier = GrammarBitmaskApplier()
+        self.early = envs.get("BASTION_GRAMMAR_EARLY_FILL")
+        self._thread: ThreadPoolExecutor | None = None  # the early fill's, on first use
 
     def learn(self, sched: SchedulerOutput) -> None:
         """Take the vocabulary and compiled grammars ``sched`` brings (before its requests)."""
@@ -77,3 +88,58 @@ class WorkerGrammars:
         bitmask = self._applier.buffer(len(rows), self._num_words, logits.device)
         self._filler.fill([g for _, g in rows], bitmask)
         self._applier.apply(logits, bitmask, [row for row, _ in rows])
+
+    # ------------------------------------------------------------------ early fill
+
+    def start_fill(self, rows: list[GrammarRow], pending: Any, device: torch.device) -> Future:
+        """Fill ``rows`` on the fill thread: each row's matcher first takes ``row.folded`` and,
+        where ``row.pending_index`` is set, that token of ``pending`` (the step in flight, a
+        ``StepHandle``). No one else may touch these matchers until ``finish_fill``."""
+        if self._thread is None:
+            def bind() -> None:
+                if device.type == "cuda":  # a new thread starts on GPU 0
+                    torch.cuda.set_device(device)
+
+            self._thread = ThreadPoolExecutor(1, "grammar-fill", initializer=bind)
+        return self._thread.submit(self._fill_rows, rows, pending, device)
+
+    def _fill_rows(self, rows: list[GrammarRow], pending: Any,
+                   device: torch.device) -> tuple[list[GrammarRow], np.ndarray]:
+        tokens = (pending.token_ids() if any(r.pending_index is not None for r in rows)
+                  else [])
+        live = []
+        for row in rows:
+            grammar = row.grammar
+            ok = all(grammar.accept(t) for t in row.folded)
+            if ok and row.pending_index is not None:
+                ok = grammar.accept(tokens[row.pending_index])
+            row.broken = not ok
+            if ok and not grammar.is_terminated:
+                live.append(row)
+        bitmask = self._applier.buffer(len(live), self._num_words, device)
+        self._filler.fill([r.grammar for r in live], bitmask)
+        return live, bitmask
+
+    def finish_fill(self, logits: torch.Tensor, fill: Future,
+                    logits_row: dict[str, int]) -> None:
+        """Mask ``logits`` with a fill ``start_fill`` began (afterwards each of its rows says
+        whether its grammar refused a token: ``broken``)."""
+        live, bitmask = fill.result()
+        self._applier.apply(logits, bitmask, [logits_row[r.request_id] for r in live])
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+
+
+@dataclass
+class GrammarRow:
+    """One grammar row of a step whose fill starts early: the output tokens its matcher has not
+    taken yet that are on the host (``folded``), and the index of its token in the step in
+    flight, if it has one there."""
+
+    request_id: str
+    grammar: RequestGrammar
+    folded: list[int]
+    pending_index: int | None
+    broken: bool = False
