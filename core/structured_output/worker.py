@@ -83,11 +83,16 @@ class WorkerGrammars:
         whose grammar can still go on (a terminated one is left unmasked: its request ends
         with this step, whose token the engine drops)."""
         rows = [(row, g) for row, g in rows if not g.is_terminated]
-        if not rows:
-            return
-        bitmask = self._applier.buffer(len(rows), self._num_words, logits.device)
-        self._filler.fill([g for _, g in rows], bitmask)
-        self._applier.apply(logits, bitmask, [row for row, _ in rows])
+        if rows:
+            bitmask = self._fill([g for _, g in rows], logits.device)
+            self._applier.apply(logits, bitmask, [row for row, _ in rows])
+
+    def _fill(self, grammars: list[RequestGrammar], device: torch.device) -> np.ndarray:
+        """What each of ``grammars`` allows next, filled where the transfer to ``device`` reads
+        it."""
+        bitmask = self._applier.buffer(len(grammars), self._num_words, device)
+        self._filler.fill(grammars, bitmask)
+        return bitmask
 
     # ------------------------------------------------------------------ early fill
 
@@ -116,9 +121,7 @@ class WorkerGrammars:
             row.broken = not ok
             if ok and not grammar.is_terminated:
                 live.append(row)
-        bitmask = self._applier.buffer(len(live), self._num_words, device)
-        self._filler.fill([r.grammar for r in live], bitmask)
-        return live, bitmask
+        return live, self._fill([r.grammar for r in live], device)
 
     def finish_fill(self, logits: torch.Tensor, fill: Future,
                     logits_row: dict[str, int]) -> None:
