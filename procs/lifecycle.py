@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -102,11 +102,30 @@ class Child:
     title: str
     proc: subprocess.Popen
 
+    _exit_fd: int | None = field(default=None, repr=False)
+
     def is_alive(self) -> bool:
         return self.proc.poll() is None
 
+    def exit_fd(self) -> int | None:
+        """A file descriptor that becomes readable when the process exits (a pidfd, so a
+        poller wakes at the death instead of at its next check), or None where the kernel
+        has none."""
+        if self._exit_fd is None and hasattr(os, "pidfd_open") and self.proc.poll() is None:
+            try:
+                self._exit_fd = os.pidfd_open(self.proc.pid)
+            except OSError:
+                return None
+        return self._exit_fd
+
+    def close_exit_fd(self) -> None:
+        if self._exit_fd is not None:
+            os.close(self._exit_fd)
+            self._exit_fd = None
+
     def kill(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; always reaps."""
+        self.close_exit_fd()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -1,5 +1,6 @@
 """Fault-tolerance drill: per fault kind, time to detect, time to recover, the recovery's
-phases as the coordinator measured them, the longest pause a stream saw, and how many
+phases as the coordinator measured them, the longest pause a stream saw, the latest first chunk
+after the fault (with dense data parallelism: a moved stream's resumption), and how many
 in-flight streamed requests completed (all their tokens, no error) and how many of those
 carry the fault-free greedy text.
 
@@ -61,6 +62,10 @@ class Stream:
     def is_complete(self, max_tokens: int) -> bool:
         return (self.error is None and self.finish_reason == "length"
                 and self.num_tokens == max_tokens)
+
+    def first_after(self, t: float) -> float | None:
+        """Seconds from ``t`` to the first chunk after it (None if none came)."""
+        return next((at - t for at in self.times if at >= t), None)
 
     @property
     def max_gap(self) -> float:
@@ -179,6 +184,9 @@ def drill(base: str, model: str, kind: str, engine: int, prompts: list[str],
             "phases": phases, "in_flight": len(prompts), "completed": len(complete),
             "identical": len(complete) - len(after), "differ_after": after,
             "max_gap_s": max(r.max_gap for r in results),
+            # A moved stream's (dense DP) or a paused one's first chunk after the fault.
+            "resume_s": max((x for r in results if (x := r.first_after(t0)) is not None),
+                            default=None),
             "errors": sorted({r.error for r in results if r.error})}
 
 
@@ -211,7 +219,8 @@ def main() -> None:
         raise SystemExit(f"the fault-free reference run did not complete: {reference[bad[0]]}")
     names = " ".join(f"{p[:8]:>8}" for p in PHASES)
     print(f"{'fault':<12} {'spare s':>8} {'detect s':>9} {'recover s':>10} {names} "
-          f"{'max gap s':>9} {'in flight':>9} {'completed':>9} {'identical':>9}", flush=True)
+          f"{'max gap s':>9} {'resume s':>9} {'in flight':>9} {'completed':>9} "
+          f"{'identical':>9}", flush=True)
     slowest = 0.0
     spare_timeout = None if args.no_wait_spare else args.spare_timeout_s
     for _ in range(args.repeat):
@@ -223,6 +232,7 @@ def main() -> None:
             phases = " ".join(f"{r['phases'].get(p, 0.0):>8.2f}" for p in PHASES)
             print(f"{r['kind']:<12} {r['spare_s']:>8.2f} {_cell(r['detect_s'], 9)} "
                   f"{_cell(r['recover_s'], 10)} {phases} {r['max_gap_s']:>9.2f} "
+                  f"{_cell(r['resume_s'], 9)} "
                   f"{r['in_flight']:>9} {r['completed']:>9} {r['identical']:>9}", flush=True)
             for error in r["errors"]:
                 print(f"    {kind}: a stream ended with: {error}", flush=True)

@@ -21,7 +21,9 @@ MAX_TOKENS = 40
 # Far below the stall of a paused group (9.5 s in issue #24's drill), far above a step of the
 # embedded model on a loaded 2-core machine (0.1-0.6 s).
 MAX_HEALTHY_GAP_S = 2.0
-MAX_MOVED_GAP_S = 4.0  # detection (the worker's death) + the move + a prefill of the resumed
+# Detection (the worker's death) + the move + a prefill of the resumed request: 0.3-0.6 s with
+# warm spares on a quiet 2-core host (docs/FAULTS.md), 0.7-1.1 s while the spares warm up.
+MAX_MOVED_GAP_S = 2.0
 
 
 def stream(server: ServerProcess, prompt: str, out: dict, key: str) -> None:
@@ -74,6 +76,10 @@ def test_a_fault_in_one_dense_engine_does_not_stall_the_other(dense_server):
     server = dense_server
     reference: dict = {}
     stream_all(server, PROMPTS, reference, stream)
+    # The steady state a fault meets: both engines' warm spares ready (while they warm up,
+    # four fresh interpreters import torch on the same cores and every step slows).
+    wait_for(lambda: [e["spare"] for e in status(server)] == ["ready", "ready"], 180,
+             "the warm spares", server)
     engines = status(server)
     assert [e["state"] for e in engines] == ["healthy", "healthy"]
     submitted = [e["num_requests"] for e in engines]

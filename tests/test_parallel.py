@@ -10,6 +10,7 @@ same processes, and a collective with a dead or hung peer raises within its time
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import subprocess
 import sys
@@ -366,3 +367,29 @@ def test_collective_with_a_hung_or_dead_peer_raises_within_timeout() -> None:
     solo = StatelessGroup("gloo", "127.0.0.1", pick_free_port(), 0, 1, 2.0)
     assert solo.all_gather(torch.tensor([7])).tolist() == [7]
     solo.destroy()
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the kernel gives no pidfds")
+def test_a_childs_exit_wakes_a_poller_at_once() -> None:
+    """The executor's wait for its workers polls their pidfds beside their messages, so a
+    worker's death (``kill -9``) is seen as it happens, not at the next 50 ms check."""
+    import zmq
+
+    from bastion.procs.lifecycle import Child
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = Child("worker", 0, "sleeper", proc)
+    try:
+        poller = zmq.Poller()
+        fd = child.exit_fd()
+        assert fd is not None and child.exit_fd() == fd  # opened once
+        poller.register(fd, zmq.POLLIN)
+        assert poller.poll(50) == []  # alive: nothing to read
+        proc.kill()
+        t0 = time.monotonic()
+        assert poller.poll(10_000) == [(fd, zmq.POLLIN)]
+        assert time.monotonic() - t0 < 2.0  # woken by the exit, not the 10 s timeout
+        assert not child.is_alive()
+    finally:
+        child.kill()
+    assert child.exit_fd() is None  # closed by kill, none for a dead process
