@@ -80,10 +80,13 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_GRAMMAR_EARLY_FILL": EnvVar(
         False, _flag, "1: a grammar step's bitmask is filled on a thread of the worker from the "
         "step's start (once the previous step's tokens land), beside the forward's launch, "
-        "instead of after it (core/structured_output/worker.py); not measured on a GPU yet"),
+        "instead of after it (core/structured_output/worker.py); on one H200 it was slower "
+        "than the default (docs/BENCHMARKS.md, session 22)"),
     "BASTION_GRAMMAR_FILL_THREADS": EnvVar(
-        0, _count, "threads xgrammar splits one bitmask fill of 16 or more rows over "
-        "(core/structured_output/fill.py); 0: half the cores the worker may run on, at most 8"),
+        1, _count, "threads xgrammar splits one bitmask fill of 16 or more rows over "
+        "(core/structured_output/fill.py; it starts them anew for every fill: with 8 on an H200 "
+        "host a 32-row fill took 1.15 ms against 0.12 ms on one); 0: half the cores the worker "
+        "may run on, at most 8"),
     "BASTION_LORA_SIDE_STREAM": EnvVar(
         True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
         "in captured graphs (core/lora/layers.py)"),

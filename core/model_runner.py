@@ -515,14 +515,25 @@ class ModelRunner:
         mask its logits row with what may come next (a row with ``d`` drafts has ``d + 1``
         logits rows; grammar rows have none)."""
         wanted, rows, row = set(grammar_ids), [], 0
+        one_behind: list[tuple[int, CachedRequestState]] = []  # caught up in one call
         for state in states:
             grammar = state.grammar
             if state.request_id in wanted and grammar is not None:
-                if grammar.catch_up(state.output_token_ids):
+                if len(state.output_token_ids) == grammar.num_accepted + 1:
+                    one_behind.append((row, state))
+                elif grammar.catch_up(state.output_token_ids):
                     rows.append((row, grammar))
                 else:  # the engine ends the request; its rows sample unmasked meanwhile
                     state.grammar = None
             row += len(spec.get(state.request_id, ())) + 1
+        taken = RequestGrammar.accept_each([s.grammar for _, s in one_behind],
+                                           [s.output_token_ids[-1] for _, s in one_behind])
+        for (row, state), ok in zip(one_behind, taken):
+            if ok:
+                rows.append((row, state.grammar))
+            else:
+                state.grammar = None
+        rows.sort(key=lambda r: r[0])
         self.grammars.mask(logits, rows)
 
     def _start_grammar_fill(self, grammar_ids: list[str]):

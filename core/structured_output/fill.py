@@ -1,8 +1,10 @@
 """Filling a step's next-token bitmask from its rows' matchers (TP rank 0's worker, while the
 device runs the step's forward).
 
-xgrammar's batch fill runs in C++ with the GIL released; from ``_PARALLEL_MIN_ROWS`` rows on it
-is split over a few threads of its own.
+xgrammar's batch fill runs in C++ with the GIL released, on one thread by default. Asked for
+more (``BASTION_GRAMMAR_FILL_THREADS``), a fill of ``_PARALLEL_MIN_ROWS`` rows or more is split
+over xgrammar's threads, which it starts anew for every call: on an H200 host, 8 of them made a
+32-row fill 1.15 ms against 0.12 ms on one thread (session 22).
 """
 
 from __future__ import annotations

@@ -78,6 +78,30 @@ class RequestGrammar:
                 return False
         return True
 
+    @staticmethod
+    def accept_each(grammars: list[RequestGrammar], token_ids: list[int]) -> list[bool]:
+        """``grammars[i].accept(token_ids[i])`` for every ``i``: the active matchers in one
+        call of xgrammar's (half the time of one call each, and without the GIL)."""
+        import xgrammar as xgr
+
+        ok = [True] * len(grammars)
+        active = []
+        for i, grammar in enumerate(grammars):
+            if grammar.is_active:
+                active.append(i)
+            else:
+                ok[i] = grammar.accept(token_ids[i])
+        if active:
+            taken = xgr.BatchGrammarMatcher.batch_accept_token(
+                [grammars[i].matcher for i in active], [token_ids[i] for i in active])
+            for i, accepted in zip(active, taken):
+                ok[i] = accepted
+                if accepted:
+                    grammar = grammars[i]
+                    grammar.is_terminated = token_ids[i] in grammar._stop_token_ids
+                    grammar.num_accepted += 1
+        return ok
+
     def allows_no_token(self) -> bool:
         """Whether no token can follow (a dead end: the grammar needs text that no token of
         the vocabulary spells). Asked only after a token was refused, off the fill's path."""

@@ -112,15 +112,15 @@ class WorkerGrammars:
                    device: torch.device) -> tuple[list[GrammarRow], np.ndarray]:
         tokens = (pending.token_ids() if any(r.pending_index is not None for r in rows)
                   else [])
-        live = []
         for row in rows:
-            grammar = row.grammar
-            ok = all(grammar.accept(t) for t in row.folded)
-            if ok and row.pending_index is not None:
-                ok = grammar.accept(tokens[row.pending_index])
+            row.broken = not all(row.grammar.accept(t) for t in row.folded)
+        # The tokens of the step in flight, one per row: in one call.
+        taking = [r for r in rows if not r.broken and r.pending_index is not None]
+        taken = RequestGrammar.accept_each([r.grammar for r in taking],
+                                           [tokens[r.pending_index] for r in taking])
+        for row, ok in zip(taking, taken):
             row.broken = not ok
-            if ok and not grammar.is_terminated:
-                live.append(row)
+        live = [r for r in rows if not r.broken and not r.grammar.is_terminated]
         return live, self._fill([r.grammar for r in live], device)
 
     def finish_fill(self, logits: torch.Tensor, fill: Future,
