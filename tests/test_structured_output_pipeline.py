@@ -345,6 +345,49 @@ def test_a_grammar_is_terminated_exactly_when_its_matcher_is(chat_ids):
     assert not grammar.accept(eos)  # nothing after the end
 
 
+def test_accepting_each_rows_token_in_one_call_equals_one_call_per_row():
+    """``RequestGrammar.accept_each`` (the worker's catch-up of rows one token behind, in one
+    xgrammar call) against ``accept`` per grammar, step by step: the same answers, counts and
+    termination, with a grammar that waits for its start token, one that refuses a token and
+    one that ends."""
+    import xgrammar as xgr
+
+    from bastion.core.config import ModelConfig
+    from bastion.core.loader import load_tokenizer, resolve_model
+    from bastion.core.structured_output.manager import RequestGrammar
+
+    model = ModelConfig()
+    resolved = resolve_model(model)
+    tokenizer = load_tokenizer(model, resolved)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer,
+                                              vocab_size=resolved.hf_config.vocab_size)
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_grammar('root ::= "yes" | "no"')
+    eos = tokenizer.eos_token_id
+    start = tokenizer.encode(":", add_special_tokens=False)[0]
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    streams = [encode("yes") + [eos],  # ends
+               encode("no") + [eos],
+               encode("maybe") + [eos],  # refused at once
+               encode("x") + [start] + encode("no")]  # waits for its start token
+    length = max(map(len, streams))
+    streams = [t + [eos] * (length - len(t)) for t in streams]
+
+    def grammars() -> list[RequestGrammar]:
+        return [RequestGrammar(compiled, eos, start if i == 3 else None) for i in range(4)]
+
+    one, each = grammars(), grammars()
+    for step in range(length):
+        live = [i for i in range(4) if not one[i].is_terminated]
+        expected = [one[i].accept(streams[i][step]) for i in live]
+        got = RequestGrammar.accept_each([each[i] for i in live],
+                                         [streams[i][step] for i in live])
+        assert got == expected, step
+        assert [(g.num_accepted, g.is_terminated, g.is_active) for g in each] == \
+            [(g.num_accepted, g.is_terminated, g.is_active) for g in one]
+    assert [g.is_terminated for g in each] == [True, True, False, False]
+    assert each[2].num_accepted == 0 and each[3].is_active
+
+
 def test_bitmask_rows_follow_the_logits_order_when_every_row_has_a_grammar():
     logits = torch.randn(3, 64)
     bitmask = torch.tensor([[1, 0], [2, 0], [0, 1 << 4]], dtype=torch.int32)
