@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from bastion.core.config import CacheConfig, SchedulerConfig
 from bastion.core.kv_cache_manager import KVCacheManager
 from bastion.core.request import Request, RequestStatus
-from bastion.core.structured_output.manager import StructuredOutputManager
+from bastion.core.structured_output.manager import RequestGrammar, StructuredOutputManager
 from bastion.core.structured_output.spec import GrammarSpecError
 from bastion.ipc.messages import (
     CachedRequestData,
@@ -413,6 +413,7 @@ class Scheduler:
             return outputs
         self._collect_prompt_logprobs(result)
         requests, logprobs_rows = self.requests, result.logprobs
+        grammar_ok = self._accept_grammar_tokens(scheduled, result)
         for i, (request_id, token_id) in enumerate(zip(result.request_ids,
                                                        result.sampled_token_ids)):
             request = scheduled.get(request_id)
@@ -423,7 +424,7 @@ class Scheduler:
             # NOTE: a request preempted while this step ran keeps the token: its KV was intact
             # when the step computed it, and its recompute will include it.
             request.append_output_token(token_id)
-            self._check_stop(request, token_id)
+            self._check_stop(request, token_id, grammar_ok.get(request_id))
             output = EngineCoreOutput(
                 request_id, [token_id], request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0),
@@ -507,9 +508,30 @@ class Scheduler:
             if request is not None:
                 request.add_prompt_logprobs(part)
 
-    def _check_stop(self, request: Request, token_id: int) -> None:
+    def _accept_grammar_tokens(self, scheduled: dict[str, Request],
+                               result: ModelRunnerOutput) -> dict[str, bool]:
+        """Advance the grammars of a plain step's live requests by their tokens, in one
+        xgrammar call: whether each accepted its token, by request id."""
+        grammars, tokens, ids = [], [], []
+        for request_id, token_id in zip(result.request_ids, result.sampled_token_ids):
+            request = scheduled.get(request_id)
+            if (request is not None and request.grammar is not None
+                    and self.requests.get(request_id) is request):
+                grammars.append(request.grammar)
+                tokens.append(token_id)
+                ids.append(request_id)
+        if not grammars:
+            return {}
+        return dict(zip(ids, RequestGrammar.accept_each(grammars, tokens)))
+
+    def _check_stop(self, request: Request, token_id: int,
+                    grammar_ok: bool | None = None) -> None:
+        """End ``request`` if ``token_id`` (just appended) ends it. ``grammar_ok``: whether
+        its grammar took the token already (None: take it here)."""
         grammar = request.grammar
-        if grammar is not None and not grammar.accept(token_id):
+        if grammar_ok is None and grammar is not None:
+            grammar_ok = grammar.accept(token_id)
+        if grammar is not None and not grammar_ok:
             # The step's bitmask allowed only what the grammar accepts. When it allowed
             # nothing, the grammar is a dead end for this vocabulary (a regex of characters no
             # token spells): the request's input. Otherwise this is a bug. Either way the
