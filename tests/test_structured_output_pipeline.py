@@ -319,21 +319,29 @@ def test_parallel_fill_equals_each_matchers_own(chat_ids):
     assert not np.array_equal(got[0], got[2])  # the states differ, so do the rows
 
 
-def test_a_grammar_is_terminated_exactly_when_its_matcher_is(chat_ids):
-    """``RequestGrammar.is_terminated`` (kept by ``accept``) against xgrammar's own answer,
-    token by token through a choice that ends, with EOS as its stop token."""
+@pytest.fixture(scope="module")
+def yes_or_no():
+    """The embedded model's tokenizer and a grammar compiled for it that takes "yes" or "no"."""
     import xgrammar as xgr
 
     from bastion.core.config import ModelConfig
     from bastion.core.loader import load_tokenizer, resolve_model
-    from bastion.core.structured_output.manager import RequestGrammar
 
     model = ModelConfig()
     resolved = resolve_model(model)
     tokenizer = load_tokenizer(model, resolved)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer,
                                               vocab_size=resolved.hf_config.vocab_size)
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_grammar('root ::= "yes" | "no"')
+    return tokenizer, xgr.GrammarCompiler(info, max_threads=1).compile_grammar(
+        'root ::= "yes" | "no"')
+
+
+def test_a_grammar_is_terminated_exactly_when_its_matcher_is(yes_or_no):
+    """``RequestGrammar.is_terminated`` (kept by ``accept``) against xgrammar's own answer,
+    token by token through a choice that ends, with EOS as its stop token."""
+    from bastion.core.structured_output.manager import RequestGrammar
+
+    tokenizer, compiled = yes_or_no
     eos = tokenizer.eos_token_id
     grammar = RequestGrammar(compiled, eos)
     states = []
@@ -345,23 +353,14 @@ def test_a_grammar_is_terminated_exactly_when_its_matcher_is(chat_ids):
     assert not grammar.accept(eos)  # nothing after the end
 
 
-def test_accepting_each_rows_token_in_one_call_equals_one_call_per_row():
+def test_accepting_each_rows_token_in_one_call_equals_one_call_per_row(yes_or_no):
     """``RequestGrammar.accept_each`` (the worker's catch-up of rows one token behind, in one
     xgrammar call) against ``accept`` per grammar, step by step: the same answers, counts and
     termination, with a grammar that waits for its start token, one that refuses a token and
     one that ends."""
-    import xgrammar as xgr
-
-    from bastion.core.config import ModelConfig
-    from bastion.core.loader import load_tokenizer, resolve_model
     from bastion.core.structured_output.manager import RequestGrammar
 
-    model = ModelConfig()
-    resolved = resolve_model(model)
-    tokenizer = load_tokenizer(model, resolved)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer,
-                                              vocab_size=resolved.hf_config.vocab_size)
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_grammar('root ::= "yes" | "no"')
+    tokenizer, compiled = yes_or_no
     eos = tokenizer.eos_token_id
     start = tokenizer.encode(":", add_special_tokens=False)[0]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
