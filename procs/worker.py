@@ -11,8 +11,11 @@ group of its engine and, with expert parallelism, the EP group over every engine
 
 from __future__ import annotations
 
+import cProfile
+import io
 import logging
 import os
+import pstats
 import queue
 import threading
 import time
@@ -44,7 +47,7 @@ from bastion.procs.faults import InjectedFault, failure_kind
 logger = logging.getLogger(__name__)
 
 _CALLS = ("kv_info", "init_kv", "reset", "inject_fault", "reinit_distributed",
-          "destroy_distributed", "distributed_info")
+          "destroy_distributed", "distributed_info", "start_profile", "stop_profile")
 
 
 class Worker:
@@ -62,6 +65,7 @@ class Worker:
         self.groups: WorkerGroups | None = None
         self.epoch = 0
         self.runner = ModelRunner(config, self.device)
+        self._profile: cProfile.Profile | None = None
 
     def _select_device(self) -> torch.device:
         if self.config.model.device != "cuda":
@@ -158,6 +162,22 @@ class Worker:
             while True:
                 time.sleep(3600)
         raise InjectedFault(f"injected fault in worker {self.rank}")
+
+    def start_profile(self) -> None:
+        """Profile this worker's loop (its thread: every step's host work) with cProfile until
+        ``stop_profile`` (benchmarks: where a worker process's step time goes)."""
+        self._profile = cProfile.Profile()
+        self._profile.enable()
+
+    def stop_profile(self, num_rows: int = 30) -> str:
+        """End ``start_profile``'s profile; its top ``num_rows`` calls by own time, as text."""
+        profile, self._profile = self._profile, None
+        if profile is None:
+            raise RuntimeError("no profile was started")
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(num_rows)
+        return text.getvalue()
 
     def handle_call(self, call: WorkerCall) -> WorkerReply:
         if call.method not in _CALLS:

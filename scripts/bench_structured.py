@@ -230,6 +230,10 @@ def main() -> None:
                    help="profile the timed runs of this batch size with cProfile (and, on a "
                         "GPU, torch's sync debug mode): the engine thread's top calls by own "
                         "time, where a host wait for the device shows as a C call")
+    p.add_argument("--worker-profile", type=int, default=None, metavar="BATCH",
+                   help="--executor mp: profile the worker process's loop (TP rank 0) with "
+                        "cProfile over the timed runs of this batch size (first round) and "
+                        "print its top calls by own time, none and json")
     p.add_argument("--torch-profile", type=int, default=None, metavar="BATCH",
                    help="GPU: profile the timed runs of this batch size with torch's profiler "
                         "and print the CUDA runtime calls and kernels by host time (a blocking "
@@ -251,7 +255,7 @@ def main() -> None:
              f"executor {args.executor}")
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
-    rows, breakdowns, profiles = [], [], []
+    rows, breakdowns, profiles, worker_profiles = [], [], [], []
     for batch in args.batch_sizes:
         medians: dict[str, list[float]] = {"none": [], "json": []}
         counted: list[int] = []  # json steps timed per round (the whole batch running)
@@ -262,6 +266,10 @@ def main() -> None:
                     timed_batch(engine, eos_token_id, device, batch, prompt, 8, s,
                                 f"warm-{name}-{batch}")
                 host = HostTimes() if args.breakdown else None
+                worker_profile = (args.worker_profile == batch and round_ == 0
+                                  and args.executor == "mp")
+                if worker_profile:
+                    engine.executor.call("start_profile")
                 profiler = (cProfile.Profile() if args.cprofile == batch else None)
                 with sync_debug(profiler is not None and device == "cuda"), \
                         torch_profile(args.torch_profile == batch and device == "cuda",
@@ -274,6 +282,9 @@ def main() -> None:
                     if profiler is not None:
                         profiler.disable()
                         profiles.append((batch, name, len(steps), profiler))
+                if worker_profile:
+                    worker_profiles.append((batch, name, len(steps),
+                                            engine.executor.call("stop_profile")[0]))
                 medians[name].append(statistics.median(steps) * 1e3)
                 if s is not None:
                     counted.append(len(steps))
@@ -305,6 +316,9 @@ def main() -> None:
     for batch, name, num_steps, profiler in profiles:
         print(f"\ncProfile, batch {batch} {name} ({num_steps} timed steps), top calls by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+    for batch, name, num_steps, text in worker_profiles:
+        print(f"\nworker process (TP rank 0), cProfile, batch {batch} {name} ({num_steps} timed "
+              f"steps, and the batch's prefill), top calls by own time\n{text}")
     llm.shutdown()
 
 

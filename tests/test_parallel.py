@@ -116,7 +116,10 @@ def test_mp_backend_runs_one_worker_process_with_the_in_process_tokens(tmp_path)
         executor = llm.engine.executor
         assert isinstance(executor, MultiprocExecutor) and len(executor.workers) == 1
         assert executor.workers[0].proc.poll() is None  # its own process, running
+        executor.call("start_profile")  # the worker's loop under cProfile (benchmarks)
         assert greedy_tokens(llm, as_id_prompts(TINY_PROMPTS)) == expected
+        [profile] = executor.call("stop_profile")
+        assert "execute_model_async" in profile and "tottime" in profile
 
 
 @pytest.mark.parametrize(("kwargs", "error"), [
