@@ -53,6 +53,56 @@ def hf_gguf_model(embedded_gguf_path: str) -> torch.nn.Module:
     return model.eval()
 
 
+# The embedded model's greedy reference, shared by test_llm (the engine) and test_model_parity
+# (the model alone): five raw prompts and three chats, 32 tokens each from transformers.
+EMBEDDED_RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+    "Photosynthesis is the process by which",
+]
+EMBEDDED_CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Name three primary colors."}],
+]
+
+
+@pytest.fixture(scope="session")
+def embedded_prompt_ids() -> list[list[int]]:
+    """``EMBEDDED_RAW_PROMPTS`` then ``EMBEDDED_CHAT_PROMPTS`` (chat template, generation
+    prompt), in the embedded model's tokens."""
+    from bastion.core.config import ModelConfig
+    from bastion.core.loader import load_tokenizer, resolve_model
+
+    config = ModelConfig()
+    tok = load_tokenizer(config, resolve_model(config))
+    raw = [tok.encode(p) for p in EMBEDDED_RAW_PROMPTS]
+    chat = [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False) for c in EMBEDDED_CHAT_PROMPTS]
+    return raw + chat
+
+
+def hf_generate(model, prompt_ids: list[list[int]], max_new_tokens: int = 32,
+                **kwargs) -> list[list[int]]:
+    """transformers' greedy ``generate()``, one prompt at a time (no padding)."""
+    out = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            y = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+            out.append(y[0, len(ids):].tolist())
+    return out
+
+
+@pytest.fixture(scope="session")
+def embedded_hf_greedy(embedded_prompt_ids: list[list[int]], hf_gguf_model) -> list[list[int]]:
+    """transformers' 32 greedy tokens after each of ``embedded_prompt_ids`` (no EOS stop)."""
+    return hf_generate(hf_gguf_model, embedded_prompt_ids)
+
+
 @pytest.fixture(scope="session")
 def embedded_llm():
     """The embedded model as an offline ``LLM`` (float32 on the CPU, max_model_len 512, 256 MiB

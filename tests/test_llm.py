@@ -7,22 +7,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import EMBEDDED_RAW_PROMPTS as RAW_PROMPTS
+from conftest import hf_generate
 
 from bastion import LLM, SamplingParams
 
-RAW_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "1, 2, 3, 4, 5,",
-    "Photosynthesis is the process by which",
-]
-CHAT_PROMPTS = [
-    [{"role": "user", "content": "What is 2 + 2?"}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "Name three primary colors."}],
-]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
@@ -32,29 +21,13 @@ def llm(embedded_llm: LLM) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(llm: LLM) -> list[list[int]]:
-    tok = llm.tokenizer
-    raw = [tok.encode(p) for p in RAW_PROMPTS]
-    chat = [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                       add_special_tokens=False) for c in CHAT_PROMPTS]
-    return raw + chat
-
-
-def hf_generate(model, prompt_ids: list[list[int]], max_new_tokens: int = 32,
-                **kwargs) -> list[list[int]]:
-    """Greedy ``generate()``, one prompt at a time (no padding)."""
-    out = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            y = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                               min_new_tokens=max_new_tokens, do_sample=False, **kwargs)
-            out.append(y[0, len(ids):].tolist())
-    return out
+def prompt_ids(embedded_prompt_ids: list[list[int]]) -> list[list[int]]:
+    return embedded_prompt_ids
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(prompt_ids: list[list[int]], hf_gguf_model) -> list[list[int]]:
-    return hf_generate(hf_gguf_model, prompt_ids)
+def hf_greedy(embedded_hf_greedy: list[list[int]]) -> list[list[int]]:
+    return embedded_hf_greedy
 
 
 def greedy_ids(llm: LLM, prompt_ids: list[list[int]],

@@ -126,17 +126,14 @@ def test_embedded_tokenizer_matches_transformers_gguf(embedded_gguf_path: str,
     assert tokenizer.eos_token == "<|im_end|>"
 
 
-def test_embedded_gguf_greedy_parity(hf_gguf_model: nn.Module, bastion_embedded) -> None:
+def test_embedded_gguf_greedy_parity(embedded_prompt_ids, embedded_hf_greedy,
+                                     bastion_embedded) -> None:
+    """The model alone (paged attention, chunked prefill) against transformers' greedy tokens
+    (the reference test_llm's engine tests share)."""
     model, tokenizer = bastion_embedded
-    prompts = []
-    for text in CHAT_PROMPTS:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-        prompts.append(tokenizer(chat, add_special_tokens=False).input_ids)
-    prompts += [tokenizer(text).input_ids for text in RAW_PROMPTS]
-    expected = [hf_greedy(hf_gguf_model, p, 32) for p in prompts]
-    got = PagedDriver(model, num_blocks=160, block_size=16).generate(prompts, 32, chunk=11)
-    assert got == expected
+    got = PagedDriver(model, num_blocks=160, block_size=16).generate(embedded_prompt_ids, 32,
+                                                                     chunk=11)
+    assert got == embedded_hf_greedy
     assert "Paris" in tokenizer.decode(got[0])  # the GGUF model really is SmolLM2-Instruct
 
 
