@@ -413,12 +413,15 @@ class Scheduler:
             return outputs
         self._collect_prompt_logprobs(result)
         requests, logprobs_rows = self.requests, result.logprobs
-        grammar_ok = self._accept_grammar_tokens(scheduled, result)
+        live = []  # (row, request, token) of the requests not finished or aborted meanwhile
         for i, (request_id, token_id) in enumerate(zip(result.request_ids,
                                                        result.sampled_token_ids)):
             request = scheduled.get(request_id)
-            if request is None or requests.get(request_id) is not request:
-                continue  # finished or aborted while the step ran
+            if request is not None and requests.get(request_id) is request:
+                live.append((i, request, token_id))
+        grammar_ok = self._accept_grammar_tokens(live)
+        for i, request, token_id in live:
+            request_id = request.request_id
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             # NOTE: a request preempted while this step ran keeps the token: its KV was intact
@@ -508,21 +511,16 @@ class Scheduler:
             if request is not None:
                 request.add_prompt_logprobs(part)
 
-    def _accept_grammar_tokens(self, scheduled: dict[str, Request],
-                               result: ModelRunnerOutput) -> dict[str, bool]:
-        """Advance the grammars of a plain step's live requests by their tokens, in one
+    @staticmethod
+    def _accept_grammar_tokens(live: list[tuple[int, Request, int]]) -> dict[str, bool]:
+        """Advance the grammars of a plain step's ``live`` requests by their tokens, in one
         xgrammar call: whether each accepted its token, by request id."""
-        grammars, tokens, ids = [], [], []
-        for request_id, token_id in zip(result.request_ids, result.sampled_token_ids):
-            request = scheduled.get(request_id)
-            if (request is not None and request.grammar is not None
-                    and self.requests.get(request_id) is request):
-                grammars.append(request.grammar)
-                tokens.append(token_id)
-                ids.append(request_id)
-        if not grammars:
+        rows = [(request, token_id) for _, request, token_id in live
+                if request.grammar is not None]
+        if not rows:
             return {}
-        return dict(zip(ids, RequestGrammar.accept_each(grammars, tokens)))
+        taken = RequestGrammar.accept_each([r.grammar for r, _ in rows], [t for _, t in rows])
+        return {r.request_id: ok for (r, _), ok in zip(rows, taken)}
 
     def _check_stop(self, request: Request, token_id: int,
                     grammar_ok: bool | None = None) -> None:

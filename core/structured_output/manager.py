@@ -66,9 +66,13 @@ class RequestGrammar:
             return True
         if not self.matcher.accept_token(token_id):
             return False
+        self._took(token_id)
+        return True
+
+    def _took(self, token_id: int) -> None:
+        """The matcher accepted ``token_id``."""
         self.is_terminated = token_id in self._stop_token_ids
         self.num_accepted += 1
-        return True
 
     def catch_up(self, token_ids: list[int]) -> bool:
         """Accept ``token_ids[self.num_accepted:]`` (a worker's matcher follows the request's
@@ -87,7 +91,9 @@ class RequestGrammar:
         ok = [True] * len(grammars)
         active = []
         for i, grammar in enumerate(grammars):
-            if grammar.is_active and isinstance(grammar, RequestGrammar):  # (tests' stand-ins)
+            # Others (waiting for their start token, or another kind of grammar: the tests'
+            # stand-ins) take their token one by one.
+            if grammar.is_active and isinstance(grammar, RequestGrammar):
                 active.append(i)
             else:
                 ok[i] = grammar.accept(token_ids[i])
@@ -97,9 +103,7 @@ class RequestGrammar:
             for i, accepted in zip(active, taken):
                 ok[i] = accepted
                 if accepted:
-                    grammar = grammars[i]
-                    grammar.is_terminated = token_ids[i] in grammar._stop_token_ids
-                    grammar.num_accepted += 1
+                    grammars[i]._took(token_ids[i])
         return ok
 
     def allows_no_token(self) -> bool:
