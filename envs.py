@@ -77,11 +77,6 @@ VARIABLES: dict[str, EnvVar] = {
         "a layer is built: 2 quantizes them to 16-bit integers per 32 (below bfloat16's "
         "rounding), 1 to int8 (llama.cpp's scheme; faster, but the embedded model's decode "
         "logprobs then move past tests/test_quantized.py's bound)"),
-    "BASTION_GRAMMAR_EARLY_FILL": EnvVar(
-        False, _flag, "1: a grammar step's bitmask is filled on a thread of the worker from the "
-        "step's start (once the previous step's tokens land), beside the forward's launch, "
-        "instead of after it (core/structured_output/worker.py); on one H200 it was slower "
-        "than the default (docs/BENCHMARKS.md, session 22)"),
     "BASTION_GRAMMAR_FILL_THREADS": EnvVar(
         1, _count, "threads xgrammar splits one bitmask fill of 16 or more rows over "
         "(core/structured_output/fill.py; it starts them anew for every fill: with 8 on an H200 "

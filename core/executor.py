@@ -60,4 +60,4 @@ class UniProcExecutor:
         self.runner.reset()
 
     def shutdown(self) -> None:
-        self.runner.grammars.shutdown()
+        pass

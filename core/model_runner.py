@@ -32,7 +32,8 @@ from bastion.core.spec_decode.ngram_proposer import NgramProposer
 from bastion.core.spec_decode.rejection_sampler import VerifyRequest, verify
 from bastion.core.staging import StagingRing
 from bastion.core.structured_output.manager import RequestGrammar
-from bastion.core.structured_output.worker import GrammarRow, WorkerGrammars
+from bastion.core.structured_output.bitmask import DeviceMask
+from bastion.core.structured_output.worker import WorkerGrammars
 from bastion.ipc.messages import (
     Logprobs,
     LoRARequest,
@@ -329,6 +330,11 @@ class ModelRunner:
             [worst] * num_seqs, [[0]] * num_seqs, [[0]] * num_seqs, [None] * num_seqs,
             [None] * num_seqs, self.device, logits.shape[-1]))
         greedy_tokens(logits)  # builds the fused sampling kernel before the first request
+        # ... and its variant that reads grammar bitmasks (every row allowed everything).
+        words = -(-logits.shape[-1] // 32)
+        greedy_tokens(logits, DeviceMask(
+            torch.full((1, words), -1, dtype=torch.int32, device=self.device),
+            torch.zeros(num_seqs, dtype=torch.int32, device=self.device)))
         torch.cuda.synchronize(self.device)
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = None
@@ -472,8 +478,6 @@ class ModelRunner:
                 self._dummy_run(num_rows, self._can_replay(sched, num_rows))
             return handle
         grammar_ids = sched.structured_output_request_ids if self.grammars.enabled else []
-        early = self._start_grammar_fill(grammar_ids) if grammar_ids and self.grammars.early \
-            else None
         prev = self.inflight[-1].sampled if self.inflight else None
         decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
         if decode is not None:
@@ -496,24 +500,25 @@ class ModelRunner:
                 return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             states = [self.requests[rid] for rid in batch.sample_ids]
-        if early is not None:
-            self._finish_grammar_fill(logits, states, *early)
-        elif grammar_ids:
+        mask = None
+        if grammar_ids:
             self._fold_tokens(keep=0)  # the grammar rows' matchers need the tokens in flight
-            self._mask_grammar_rows(logits, states, grammar_ids, {})
+            mask = self._mask_grammar_rows(logits, states, grammar_ids, {})
         # The rows' next tokens are this step's from now on: the next step, prepared before
         # they reach the host, reads them on the device.
         for row, state in enumerate(states):
             state.num_pending += 1
             state.pending_row = row
         self.inflight.append(handle)
-        return self._sample_step(handle, logits, states)
+        return self._sample_step(handle, logits, states, mask)
 
     def _mask_grammar_rows(self, logits: torch.Tensor, states: list[CachedRequestState],
-                           grammar_ids: list[str], spec: dict[str, list[int]]) -> None:
+                           grammar_ids: list[str], spec: dict[str, list[int]]
+                           ) -> DeviceMask | None:
         """Advance each grammar row's matcher by the tokens its request has had since, and
         mask its logits row with what may come next (a row with ``d`` drafts has ``d + 1``
-        logits rows; grammar rows have none)."""
+        logits rows; grammar rows have none). On a GPU a step without drafts leaves the
+        masking to its sampling kernel: the bitmask is returned, on its way to the device."""
         wanted, rows, row = set(grammar_ids), [], 0
         one_behind: list[tuple[int, CachedRequestState]] = []  # caught up in one call
         for state in states:
@@ -534,37 +539,19 @@ class ModelRunner:
             else:
                 state.grammar = None
         rows.sort(key=lambda r: r[0])
+        if logits.is_cuda and not spec:
+            return self.grammars.stage(rows, logits.shape[0], logits.device)
         self.grammars.mask(logits, rows)
-
-    def _start_grammar_fill(self, grammar_ids: list[str]):
-        """Start filling the grammar rows' bitmask on the fill thread (``BASTION_GRAMMAR_EARLY_
-        FILL``): each matcher takes its folded tokens and its token in the step in flight."""
-        pending = self.inflight[-1] if self.inflight else None
-        rows = []
-        for request_id in grammar_ids:
-            state = self.requests[request_id]
-            grammar = state.grammar
-            if grammar is None:
-                continue
-            rows.append(GrammarRow(request_id, grammar,
-                                   state.output_token_ids[grammar.num_accepted:],
-                                   state.pending_row if state.num_pending else None))
-        return rows, self.grammars.start_fill(rows, pending, self.device)
-
-    def _finish_grammar_fill(self, logits: torch.Tensor, states: list[CachedRequestState],
-                             rows: list[GrammarRow], fill) -> None:
-        self.grammars.finish_fill(logits, fill,
-                                  {s.request_id: i for i, s in enumerate(states)})
-        for row in rows:
-            if row.broken:  # the engine ends the request; its rows sample unmasked meanwhile
-                self.requests[row.request_id].grammar = None
+        return None
 
     def _sample_step(self, handle: StepHandle, logits: torch.Tensor,
-                     states: list[CachedRequestState]) -> StepHandle:
-        """Sample a launched step (the newest in flight; its rows count its token pending)."""
+                     states: list[CachedRequestState],
+                     mask: DeviceMask | None = None) -> StepHandle:
+        """Sample a launched step (the newest in flight; its rows count its token pending)
+        under its grammar rows' bitmask, if any."""
         if any(s.needs_output_ids and s.num_pending > 1 for s in states):
             self._fold_tokens(keep=1)  # penalties and min_tokens read every token so far
-        handle.attach(states, _sync_sampled_tokens(self._sample(logits, states)))
+        handle.attach(states, _sync_sampled_tokens(self._sample(logits, states, mask)))
         return handle
 
     def _execute_spec(self, sched: SchedulerOutput) -> StepHandle:
@@ -809,15 +796,16 @@ class ModelRunner:
             parts.append(PromptLogprobs(request_id, start, Logprobs(ids, values, ranks)))
         return parts
 
-    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
+                mask: DeviceMask | None = None) -> SamplerOutput:
         if all(s.is_plain_greedy for s in states):
             # The sampler would apply no processor to these rows and take the argmax.
-            return SamplerOutput(greedy_tokens(logits), None)
+            return SamplerOutput(greedy_tokens(logits, mask), None)
         meta = SamplingMetadata.build(
             [s.params for s in states], [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states], [s.generator for s in states],
             [s.eos_token_id for s in states], self.device, logits.shape[-1])
-        return self.sampler(logits, meta)
+        return self.sampler(logits, meta, mask)
 
     def _prepare_decode(self, sched: SchedulerOutput
                         ) -> tuple[list[CachedRequestState], DecodeInputs] | None:

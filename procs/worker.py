@@ -16,6 +16,7 @@ import io
 import logging
 import os
 import pstats
+import statistics
 import queue
 import threading
 import time
@@ -47,7 +48,8 @@ from bastion.procs.faults import InjectedFault, failure_kind
 logger = logging.getLogger(__name__)
 
 _CALLS = ("kv_info", "init_kv", "reset", "inject_fault", "reinit_distributed",
-          "destroy_distributed", "distributed_info", "start_profile", "stop_profile")
+          "destroy_distributed", "distributed_info", "start_profile", "stop_profile",
+          "start_timing", "stop_timing")
 
 
 class Worker:
@@ -66,6 +68,7 @@ class Worker:
         self.epoch = 0
         self.runner = ModelRunner(config, self.device)
         self._profile: cProfile.Profile | None = None
+        self.timer: StepTimer | None = None
 
     def _select_device(self) -> torch.device:
         if self.config.model.device != "cuda":
@@ -179,6 +182,19 @@ class Worker:
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(num_rows)
         return text.getvalue()
 
+    def start_timing(self, names: list[str]) -> None:
+        """Time this worker's steps until ``stop_timing`` (benchmarks): each step's period
+        (launch to launch), its launch, when its predecessor's tokens were sent, and each
+        method in ``names`` (dotted from the runner, e.g. ``grammars._filler.fill``)."""
+        self.timer = StepTimer(self.runner, names)
+
+    def stop_timing(self) -> dict[str, float]:
+        """The median ms per step of each part ``start_timing`` timed."""
+        timer, self.timer = self.timer, None
+        if timer is None:
+            raise RuntimeError("no timing was started")
+        return timer.stop()
+
     def handle_call(self, call: WorkerCall) -> WorkerReply:
         if call.method not in _CALLS:
             return WorkerReply(call.call_id, self.rank, failure=f"unknown method {call.method}")
@@ -218,7 +234,7 @@ def run_worker(config: EngineConfig, info: HandshakeInfo, handshake: zmq.Socket,
 def _serve(worker: Worker, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
     """The worker's loop: launch each step as it arrives and hand its tokens to the sender
     thread, which waits for them while this loop already prepares the next step."""
-    sender = _Sender(outbox, worker.rank, worker.device)
+    sender = _Sender(outbox, worker.rank, worker.device, worker)
     sender.start()
     try:
         while True:
@@ -245,9 +261,11 @@ class _Sender(threading.Thread):
     """Owns the worker's outgoing socket; sends replies in the order they were queued, and
     for a step first waits for its sampled tokens (a failure then is reported like any)."""
 
-    def __init__(self, outbox: zmq.Socket, rank: int, device: torch.device) -> None:
+    def __init__(self, outbox: zmq.Socket, rank: int, device: torch.device,
+                 worker: Worker) -> None:
         super().__init__(daemon=True, name="worker-sender")
         self.outbox = outbox
+        self.worker = worker  # its step timer, when a benchmark set one
         self.rank = rank
         self.device = device
         self.items: queue.SimpleQueue[list[bytes] | StepHandle | None] = queue.SimpleQueue()
@@ -265,7 +283,8 @@ class _Sender(threading.Thread):
             # worker a second CUDA context on another engine's GPU.
             torch.cuda.set_device(self.device)
         while (item := self.items.get()) is not None:
-            if isinstance(item, StepHandle):
+            step = isinstance(item, StepHandle)
+            if step:
                 try:
                     item = encode(item.output())
                 except Exception as exc:
@@ -273,3 +292,61 @@ class _Sender(threading.Thread):
                     item = encode(Failure("worker", self.rank, traceback.format_exc(),
                                           kind=failure_kind(exc)))
             self.outbox.send_multipart(item)
+            if step and (timer := self.worker.timer) is not None:
+                timer.sent()
+
+
+class StepTimer:
+    """Wall time of a worker's steps by part (``Worker.start_timing``): wrappers around the
+    runner's methods, summed per step; a step starts with ``execute_model_async``."""
+
+    def __init__(self, runner: ModelRunner, names: list[str]) -> None:
+        self._undo: list[tuple[object, str]] = []
+        self.steps: list[dict[str, float]] = []
+        self.step: dict[str, float] = {}
+        self._start: float | None = None
+        launch = runner.execute_model_async
+
+        def timed_launch(sched):
+            now = time.perf_counter()
+            if self._start is not None:
+                self.step["period"] = now - self._start
+                self.steps.append(self.step)
+            self.step, self._start = {}, now
+            try:
+                return launch(sched)
+            finally:
+                self.step["launch"] = time.perf_counter() - now
+
+        self._install(runner, "execute_model_async", timed_launch)
+        for name in names:
+            *path, attr = name.split(".")
+            owner = runner
+            for part in path:
+                owner = getattr(owner, part)
+            self._install(owner, attr, self._wrap(getattr(owner, attr), name))
+
+    def _wrap(self, method, name: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.step[name] = self.step.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    def _install(self, owner: object, attr: str, fn) -> None:
+        setattr(owner, attr, fn)
+        self._undo.append((owner, attr))
+
+    def sent(self) -> None:
+        """A step's tokens went out now (from either thread)."""
+        if self._start is not None:
+            self.step["sent at"] = time.perf_counter() - self._start
+
+    def stop(self) -> dict[str, float]:
+        for owner, attr in self._undo:
+            delattr(owner, attr)
+        steps = self.steps[2:] or self.steps
+        names = sorted({k for s in steps for k in s})
+        return {k: 1e3 * statistics.median(s.get(k, 0.0) for s in steps) for k in names}

@@ -53,6 +53,11 @@ SCHEMA = {"type": "array", "minItems": 16, "items": {"type": "object", "properti
     "required": ["id", "name", "tags"], "additionalProperties": False}}
 
 
+# The worker's calls that --worker-times times (dotted from its model runner).
+WORKER_PARTS = ["_prepare_decode", "_fold_tokens", "_mask_grammar_rows",
+                "grammars._filler.fill", "grammars._applier.apply", "_sample_step"]
+
+
 def stand_in_vocabulary(vocab_size: int, tokenizer: str | None = None):
     """-> xgrammar.TokenizerInfo: the tokens of ``tokenizer`` (a folder with a tokenizer; the
     embedded model's by default), then seeded pairs of them up to ``vocab_size``."""
@@ -234,6 +239,10 @@ def main() -> None:
                    help="--executor mp: profile the worker process's loop (TP rank 0) with "
                         "cProfile over the timed runs of this batch size (first round) and "
                         "print its top calls by own time, none and json")
+    p.add_argument("--worker-times", action="store_true",
+                   help="--executor mp: the worker process's step by part (median ms): its "
+                        "period, launch, when the step before's tokens went out, and the grammar "
+                        "and sampling calls inside the launch")
     p.add_argument("--torch-profile", type=int, default=None, metavar="BATCH",
                    help="GPU: profile the timed runs of this batch size with torch's profiler "
                         "and print the CUDA runtime calls and kernels by host time (a blocking "
@@ -255,7 +264,7 @@ def main() -> None:
              f"executor {args.executor}")
     prompt = [random.Random(1).randint(300, 10000) for _ in range(args.prompt_len)]
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
-    rows, breakdowns, profiles, worker_profiles = [], [], [], []
+    rows, breakdowns, profiles, worker_profiles, worker_times = [], [], [], [], []
     for batch in args.batch_sizes:
         medians: dict[str, list[float]] = {"none": [], "json": []}
         counted: list[int] = []  # json steps timed per round (the whole batch running)
@@ -270,6 +279,8 @@ def main() -> None:
                                   and args.executor == "mp")
                 if worker_profile:
                     engine.executor.call("start_profile")
+                if args.worker_times and args.executor == "mp":
+                    engine.executor.call("start_timing", WORKER_PARTS)
                 profiler = (cProfile.Profile() if args.cprofile == batch else None)
                 with sync_debug(profiler is not None and device == "cuda"), \
                         torch_profile(args.torch_profile == batch and device == "cuda",
@@ -285,6 +296,8 @@ def main() -> None:
                 if worker_profile:
                     worker_profiles.append((batch, name, len(steps),
                                             engine.executor.call("stop_profile")[0]))
+                if args.worker_times and args.executor == "mp":
+                    worker_times.append((batch, name, engine.executor.call("stop_timing")[0]))
                 medians[name].append(statistics.median(steps) * 1e3)
                 if s is not None:
                     counted.append(len(steps))
@@ -313,6 +326,15 @@ def main() -> None:
             for batch, name, parts in breakdowns:
                 print(f"{batch:>5} {name:>5} | "
                       + " | ".join(f"{parts[p]:>11.3f}" for p in columns))
+    if worker_times:
+        print("\nthe worker process's step (TP rank 0), median ms; 'sent at': when the step "
+              "before's tokens went out, from the step's start")
+        columns = ["period", "launch", "sent at"] + WORKER_PARTS
+        print(f"{'batch':>5} {'case':>5} | " + " | ".join(f"{c.split('.')[-1][-14:]:>14}"
+                                                        for c in columns))
+        for batch, name, parts in worker_times:
+            print(f"{batch:>5} {name:>5} | "
+                  + " | ".join(f"{parts.get(c, 0.0):>14.3f}" for c in columns))
     for batch, name, num_steps, profiler in profiles:
         print(f"\ncProfile, batch {batch} {name} ({num_steps} timed steps), top calls by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)

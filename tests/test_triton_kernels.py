@@ -608,12 +608,42 @@ def test_grammar_bitmask_rows_mask_their_logits_rows_only() -> None:
     bitmask[1] = -1  # a row that allows everything
     rows = [2, 0, 3]
     out = logits.clone()
-    apply_bitmask_rows_triton(out, bitmask, torch.tensor(rows, dtype=torch.int32))
+    apply_bitmask_rows_triton(out, bitmask, torch.tensor([1, -1, 0, 2], dtype=torch.int32))
     reference = logits.clone()
     apply_token_bitmask_reference(reference, bitmask, rows)
     assert torch.equal(out, reference)
     assert torch.equal(out[1], logits[1]) and torch.equal(out[0], logits[0])
     assert torch.isinf(out[2]).sum() == torch.isinf(reference[2]).sum() > 1000
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sampling_under_a_bitmask_equals_sampling_masked_logits(num_splits) -> None:
+    """The sampling kernel reading grammar bitmasks (row map with a row that has none; greedy
+    and random rows; a vocabulary past one word boundary) draws exactly the tokens it draws
+    from logits masked first by the mask kernel, with the same seeds; and greedy rows draw the
+    argmax of the masked logits."""
+    from bastion.core.structured_output.bitmask import apply_token_bitmask_reference
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 1000 + 7
+    logits = torch.randn(5, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, -(-vocab // 32)), generator=gen,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[2] = 0
+    bitmask[2, 3] = 1 << 9  # one token allowed: 3 * 32 + 9
+    mask_rows = torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32)
+    temperature = torch.tensor([0.0, 0.0, 0.0, 0.8, 1.3])
+    seeds = torch.arange(5) * 7919
+    masked = logits.clone()
+    apply_token_bitmask_reference(masked, bitmask, [2, 3, 0])
+    tokens = sample_tokens_triton(logits, temperature, seeds, num_splits=num_splits,
+                                  mask=bitmask, mask_rows=mask_rows)
+    assert tokens.tolist() == sample_tokens_triton(masked, temperature, seeds,
+                                                   num_splits=num_splits).tolist()
+    assert tokens[0].item() == 3 * 32 + 9
+    assert tokens[:3].tolist() == masked[:3].argmax(dim=-1).tolist()
+    allowed = ((bitmask[mask_rows[3]][tokens[3] // 32] >> (tokens[3] % 32)) & 1).item()
+    assert allowed == 1
 
 
 # ----------------------------------------------------------------------------- real shapes (GPU)
@@ -1000,7 +1030,7 @@ def test_gpu_grammar_bitmask_applier_matches_the_reference() -> None:
                                 dtype=torch.int64).to(torch.int32)
         rows = bitmask.numpy()
         if step == 1:
-            rows = applier.buffer(3, words, logits.device)
+            rows = applier.buffer(3, words, logits.device, num_logits_rows=8)
             np.copyto(rows, bitmask.numpy())
         out = logits.clone()
         applier.apply(out, rows, [5, 0, 3])

@@ -1,30 +1,72 @@
-"""Applying a step's grammar bitmask to its logits, on the logits' device: numpy's bit unpacking
-and a torch mask on the CPU, a Triton kernel with a row map on a GPU, and a torch reference
-beside them for the tests."""
+"""A step's grammar bitmask on the logits' device: numpy's bit unpacking and a torch mask on the
+CPU; on a GPU one transfer of the filled rows and a row map (``DeviceMask``), read by the
+sampling kernel or applied by a Triton kernel of its own; and a torch reference beside them
+for the tests."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 
+@dataclass
+class DeviceMask:
+    """A step's grammar bitmasks on the logits' device: ``bitmask`` int32 [R, words] in the
+    order they were filled, and ``mask_rows`` int32 [N], each logits row's bitmask row (-1: the
+    row has no grammar). A plain sampling step reads them inside its sampling kernel;
+    ``apply`` masks the logits themselves for the others."""
+
+    bitmask: torch.Tensor
+    mask_rows: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> None:
+        from bastion.ops.triton.grammar_bitmask import apply_bitmask_rows_triton
+
+        apply_bitmask_rows_triton(logits, self.bitmask, self.mask_rows)
+
+
 class GrammarBitmaskApplier:
-    """Applies bitmasks for one model runner. On a GPU the rows travel through pinned host
-    buffers kept from step to step (a row map says which logits row each one masks,
-    ``ops/triton/grammar_bitmask.py``): one host copy, two transfers that do not block, one
-    launch."""
+    """Stages bitmasks for one model runner. On a GPU a step's bitmask rows and its row map
+    share one pinned host buffer, filled in place (``buffer``) and sent in one transfer that
+    does not block (``upload``); two such buffers take turns, so a fill never waits for the
+    transfer of the step just before it."""
 
     def __init__(self) -> None:
-        self._host: torch.Tensor | None = None  # pinned int32 [rows, words], grown on demand
-        self._host_rows: torch.Tensor | None = None  # pinned int32 [rows]: each one's logits row
-        self._copied: torch.cuda.Event | None = None  # the last transfer out of them
+        self._host: list[torch.Tensor | None] = [None, None]  # pinned int32, flat, in turn
+        self._sent: list[torch.cuda.Event | None] = [None, None]  # each one's last transfer
+        self._turn = 0
+        self._filling: torch.Tensor | None = None  # the buffer ``buffer`` handed out last
 
-    def buffer(self, num_rows: int, num_words: int, device: torch.device) -> np.ndarray:
-        """Where to fill ``num_rows`` rows for logits on ``device``: the pinned buffer that the
-        transfer reads (no copy in ``apply``) on a GPU."""
-        if device.type == "cuda":
-            return self._buffers(num_rows, num_words)[0]
-        return np.empty((num_rows, num_words), dtype=np.int32)
+    def buffer(self, num_rows: int, num_words: int, device: torch.device,
+               num_logits_rows: int = 0) -> np.ndarray:
+        """Where to fill ``num_rows`` rows for logits of ``num_logits_rows`` rows on
+        ``device``: on a GPU, the pinned buffer that ``upload`` sends (no copy)."""
+        if device.type != "cuda":
+            return np.empty((num_rows, num_words), dtype=np.int32)
+        self._filling = self._take(num_rows * num_words + num_logits_rows)
+        return self._filling[:num_rows * num_words].numpy().reshape(num_rows, num_words)
+
+    def upload(self, bitmask: np.ndarray, rows: list[int], num_logits_rows: int,
+               device: torch.device) -> DeviceMask:
+        """Send ``bitmask`` (row ``i`` for logits row ``rows[i]``) to ``device`` with its row
+        map, in one transfer that does not block."""
+        num_rows, num_words = bitmask.shape
+        size = num_rows * num_words
+        flat = self._filling
+        if (flat is None or bitmask.ctypes.data != flat.data_ptr()  # not filled in place
+                or flat.numel() < size + num_logits_rows):
+            flat = self._take(size + num_logits_rows)
+            flat[:size].numpy().reshape(num_rows, num_words)[:] = bitmask
+        self._filling = None
+        host = flat[:size + num_logits_rows]
+        mask_rows = host[size:].numpy()
+        mask_rows.fill(-1)
+        mask_rows[rows] = np.arange(num_rows, dtype=np.int32)
+        on_device = host.to(device, non_blocking=True)
+        self._record(flat)
+        return DeviceMask(on_device[:size].view(num_rows, num_words), on_device[size:])
 
     def apply(self, logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
         """In place: logits row ``rows[i]`` keeps only the tokens bitmask row ``i`` allows
@@ -33,7 +75,7 @@ class GrammarBitmaskApplier:
         if not rows:
             return
         if logits.is_cuda:
-            self._apply_on_device(logits, bitmask, rows)
+            self.upload(bitmask, rows, logits.shape[0], logits.device).apply(logits)
             return
         # NOTE: numpy unpacks the bits and torch masks; at 32 rows of a 49k vocabulary that is
         # 1.1 ms against 5.3 for xgrammar's CPU kernel.
@@ -46,33 +88,25 @@ class GrammarBitmaskApplier:
         for j, row in enumerate(rows):
             logits[row].masked_fill_(disallowed[j], float("-inf"))
 
-    def _apply_on_device(self, logits: torch.Tensor, bitmask: np.ndarray,
-                         rows: list[int]) -> None:
-        from bastion.ops.triton.grammar_bitmask import apply_bitmask_rows_triton
+    def _take(self, size: int) -> torch.Tensor:
+        """The next pinned buffer in turn, of ``size`` int32 or more, once the transfer that
+        last read it has run (it has: the step it served has sampled since)."""
+        turn = self._turn
+        self._turn ^= 1
+        if self._sent[turn] is not None:
+            self._sent[turn].synchronize()
+        host = self._host[turn]
+        if host is None or host.numel() < size:
+            host = self._host[turn] = torch.empty(max(size, 2 * (0 if host is None
+                                                                  else host.numel())),
+                                                  dtype=torch.int32, pin_memory=True)
+        return host
 
-        num_rows = len(rows)
-        host, host_rows = self._buffers(num_rows, bitmask.shape[1])
-        if bitmask.ctypes.data != host.ctypes.data:  # not filled in place (``buffer``)
-            np.copyto(host, bitmask)
-        host_rows[:] = rows
-        device_bitmask = self._host[:num_rows].to(logits.device, non_blocking=True)
-        device_rows = self._host_rows[:num_rows].to(logits.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        apply_bitmask_rows_triton(logits, device_bitmask, device_rows)
-
-    def _buffers(self, num_rows: int, num_words: int) -> tuple[np.ndarray, np.ndarray]:
-        """Views of the pinned buffers for ``num_rows`` rows, once the transfers that last read
-        them have run (they have: the step they served has sampled since)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-        host = self._host
-        if host is None or host.shape[0] < num_rows or host.shape[1] != num_words:
-            size = max(num_rows, 0 if host is None else host.shape[0])
-            self._host = torch.empty((size, num_words), dtype=torch.int32, pin_memory=True)
-            self._host_rows = torch.empty(size, dtype=torch.int32, pin_memory=True)
-        return self._host[:num_rows].numpy(), self._host_rows[:num_rows].numpy()
+    def _record(self, flat: torch.Tensor) -> None:
+        turn = 0 if flat is self._host[0] else 1
+        if self._sent[turn] is None:
+            self._sent[turn] = torch.cuda.Event()
+        self._sent[turn].record()
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:

@@ -30,14 +30,20 @@ def _sample_kernel(
     logits_ptr,  # [N, V], any float dtype
     temperature_ptr,  # float32 [N]; 0 = greedy
     seeds_ptr,  # int64 [N]
+    mask_ptr,  # int32 [R, words]: grammar bitmasks (HAS_MASK)
+    mask_rows_ptr,  # int32 [N]: each row's bitmask row, -1 for none (HAS_MASK)
     stride_row,
+    stride_mask,
     vocab_size,
     chunk,  # tokens a piece, a multiple of BLOCK
     num_splits,
     BLOCK: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    if HAS_MASK:
+        mask_row = tl.load(mask_rows_ptr + row).to(tl.int64)
     temp = tl.load(temperature_ptr + row)
     greedy = temp == 0.0
     inv_temp = 1.0 / tl.where(greedy, 1.0, temp)
@@ -51,6 +57,13 @@ def _sample_kernel(
         idx = start + offs
         ok = idx < hi
         x = tl.load(logits_ptr + row * stride_row + idx, mask=ok, other=float("-inf"))
+        if HAS_MASK:
+            # A token whose bit is clear in the row's grammar bitmask cannot win.
+            # (A row without one, -1, reads row 0 and ignores it.)
+            words = tl.load(mask_ptr + tl.maximum(mask_row, 0) * stride_mask + idx // 32,
+                            mask=ok, other=-1)
+            allowed = (((words >> (idx % 32)) & 1) != 0) | (mask_row < 0)
+            x = tl.where(allowed, x, float("-inf"))
         score = x.to(tl.float32) * inv_temp
         if not greedy:
             # The noise depends on the token's index only, so the draw is the same whatever
@@ -89,11 +102,18 @@ def _pick_kernel(out_ptr, part_score_ptr, part_idx_ptr, vocab_size, num_splits,
 
 
 def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor,
-                         seeds: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
+                         seeds: torch.Tensor, num_splits: int | None = None,
+                         mask: torch.Tensor | None = None,
+                         mask_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``logits`` [N, V] (rows may be strided), ``temperature`` float32 [N] (0 = greedy),
     ``seeds`` int64 [N] -> int64 [N] tokens. A row's draw depends only on its logits, its
     temperature and its seed (the Sampler draws the seeds from the global RNG), not on how many
-    pieces (``num_splits``, default from the batch size) its row is read in."""
+    pieces (``num_splits``, default from the batch size) its row is read in.
+
+    With grammar bitmasks (``mask`` int32 [R, >= ceil(V / 32)], ``mask_rows`` int32 [N]: row
+    ``r`` draws under bitmask row ``mask_rows[r]``, or freely where it is -1), a token whose
+    bit is clear is drawn as if its logit were -inf: the same tokens as masking the logits
+    first (``ops/triton/grammar_bitmask.py``), without writing them."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [N, V] with unit column stride; got {tuple(logits.shape)}")
     num_rows, vocab_size = logits.shape
@@ -102,6 +122,13 @@ def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor,
         if t.dtype != dtype or t.shape != (num_rows,) or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous {dtype} [{num_rows}]; got {t.dtype} "
                              f"{tuple(t.shape)}")
+    has_mask = mask is not None
+    if has_mask and (mask_rows is None or mask.dtype != torch.int32 or mask.dim() != 2
+                     or mask.stride(1) != 1 or mask.shape[1] * 32 < vocab_size
+                     or mask_rows.shape != (num_rows,) or mask_rows.dtype != torch.int32):
+        raise ValueError(f"mask must be int32 [R, >= {-(-vocab_size // 32)}] with mask_rows "
+                         f"int32 [{num_rows}]; got {getattr(mask, 'shape', None)} and "
+                         f"{getattr(mask_rows, 'shape', None)}")
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0 or vocab_size == 0:
         return out.zero_()
@@ -115,8 +142,10 @@ def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor,
     part_score = torch.empty((num_rows, num_splits), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((num_rows, num_splits), dtype=torch.int32, device=logits.device)
     _sample_kernel[(num_rows, num_splits)](
-        part_score, part_idx, logits, temperature, seeds, logits.stride(0), vocab_size, chunk,
-        num_splits, BLOCK=block, num_warps=8 if block >= 1024 else 4,
+        part_score, part_idx, logits, temperature, seeds,
+        mask if has_mask else seeds, mask_rows if has_mask else seeds, logits.stride(0),
+        mask.stride(0) if has_mask else 0, vocab_size, chunk, num_splits, BLOCK=block,
+        HAS_MASK=has_mask, num_warps=8 if block >= 1024 else 4,
     )  # fmt: skip
     _pick_kernel[(num_rows,)](out, part_score, part_idx, vocab_size, num_splits,
                               SPLITS_PAD=triton.next_power_of_2(_MAX_SPLITS), num_warps=1)
