@@ -503,7 +503,7 @@ class ModelRunner:
         mask = None
         if grammar_ids:
             self._fold_tokens(keep=0)  # the grammar rows' matchers need the tokens in flight
-            mask = self._mask_grammar_rows(logits, states, grammar_ids, {})
+            mask = self._mask_grammar_rows(logits, states, grammar_ids, {}, staged=True)
         # The rows' next tokens are this step's from now on: the next step, prepared before
         # they reach the host, reads them on the device.
         for row, state in enumerate(states):
@@ -513,12 +513,12 @@ class ModelRunner:
         return self._sample_step(handle, logits, states, mask)
 
     def _mask_grammar_rows(self, logits: torch.Tensor, states: list[CachedRequestState],
-                           grammar_ids: list[str], spec: dict[str, list[int]]
-                           ) -> DeviceMask | None:
+                           grammar_ids: list[str], spec: dict[str, list[int]],
+                           staged: bool = False) -> DeviceMask | None:
         """Advance each grammar row's matcher by the tokens its request has had since, and
         mask its logits row with what may come next (a row with ``d`` drafts has ``d + 1``
-        logits rows; grammar rows have none). On a GPU a step without drafts leaves the
-        masking to its sampling kernel: the bitmask is returned, on its way to the device."""
+        logits rows; grammar rows have none). ``staged`` (a plain step on a GPU): leave the
+        masking to the sampling kernel and return the bitmask, on its way to the device."""
         wanted, rows, row = set(grammar_ids), [], 0
         one_behind: list[tuple[int, CachedRequestState]] = []  # caught up in one call
         for state in states:
@@ -539,7 +539,7 @@ class ModelRunner:
             else:
                 state.grammar = None
         rows.sort(key=lambda r: r[0])
-        if logits.is_cuda and not spec:
+        if staged and logits.is_cuda:
             return self.grammars.stage(rows, logits.shape[0], logits.device)
         self.grammars.mask(logits, rows)
         return None
