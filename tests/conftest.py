@@ -29,6 +29,19 @@ def embedded_gguf_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(embedded_gguf_path: str):
+    """transformers' own tokenizer of the embedded GGUF (``AutoTokenizer`` with ``gguf_file``),
+    one per session: reading the file's 49k-token vocabulary takes ~3.5 s, and test_api,
+    test_tokenize, test_request_fields, test_tools_api, test_detokenizer, test_fuzz and
+    test_model_parity each loaded their own (a fixture imported from another module runs once
+    per importing module, whatever its scope). No test may change it."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(embedded_gguf_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
 def hf_gguf_model(embedded_gguf_path: str) -> torch.nn.Module:
     """The reference for the embedded model: transformers' own GGUF loading path (its config
     conversion, dequantization, renaming and q/k un-permutation) into its own LlamaForCausalLM,

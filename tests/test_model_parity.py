@@ -109,12 +109,10 @@ def bastion_embedded() -> tuple[nn.Module, object]:
     return load_model(config, resolved), load_tokenizer(config, resolved)
 
 
-def test_embedded_tokenizer_matches_transformers_gguf(embedded_gguf_path: str,
-                                                      bastion_embedded) -> None:
-    from transformers import AutoTokenizer
-
-    folder, name = os.path.split(embedded_gguf_path)
-    reference = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+def test_embedded_tokenizer_matches_transformers_gguf(tokenizer, bastion_embedded) -> None:
+    # The reference, ``tokenizer``, is conftest's: AutoTokenizer.from_pretrained(folder,
+    # gguf_file=name) of the embedded GGUF, one load per session.
+    reference = tokenizer
     _, tokenizer = bastion_embedded
     for text in CHAT_PROMPTS + RAW_PROMPTS:
         assert tokenizer(text).input_ids == reference(text).input_ids

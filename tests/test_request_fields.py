@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from openai.types import completion_create_params as openai_completion
 from openai.types.chat import completion_create_params as openai_chat
-from test_api import serve, sse_events, tokenizer  # noqa: F401 (fixtures)
+from test_api import serve, sse_events  # noqa: F401 (fixture)
 
 from bastion.api.fields import NO_EFFECT, unsupported_fields
 from bastion.api.schemas import ChatCompletionRequest, CompletionRequest

@@ -4,7 +4,7 @@ and the embedded SmolLM2 tokenizer."""
 from __future__ import annotations
 
 import pytest
-from test_api import MAX_MODEL_LEN, serve, tokenizer  # noqa: F401 (fixtures)
+from test_api import MAX_MODEL_LEN, serve  # noqa: F401 (fixture)
 
 from bastion.api.server import ApiConfig
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from test_api import FakeEngine, FakeStream, sse_events, tokenizer  # noqa: F401 (fixture)
+from test_api import FakeEngine, FakeStream, sse_events
 from test_cli import quiet_serve  # noqa: F401 (fixture)
 
 from bastion.api.chat_output import constrain_after_reasoning
@@ -104,7 +104,7 @@ class TemplateTokenizer:
 
 
 @pytest.fixture(scope="module")
-def tool_tokenizer(tokenizer):  # noqa: F811
+def tool_tokenizer(tokenizer):
     return TemplateTokenizer(tokenizer, TEMPLATE)
 
 
@@ -513,7 +513,7 @@ class ThinkTokenizer(TemplateTokenizer):
 
 
 async def test_forced_choice_under_a_reasoning_parser_starts_after_the_reasoning(
-    serve_script, tokenizer, monkeypatch  # noqa: F811
+    serve_script, tokenizer, monkeypatch
 ):
     monkeypatch.setattr("bastion.api.tools.structured_outputs_available", lambda: True)
     text = ("<think>\nThe user wants the weather; call the tool.\n</think>"
@@ -549,7 +549,7 @@ def test_parser_flags_fail_at_start_up(quiet_serve, capsys, argv, message):  # n
 # ----------------------------------------------------------------------------- reasoning
 
 
-def test_a_constraint_under_a_reasoning_parser_starts_after_the_reasoning(tokenizer):  # noqa: F811
+def test_a_constraint_under_a_reasoning_parser_starts_after_the_reasoning(tokenizer):
     """vLLM's rule: the grammar applies from the model's first ``</think>`` on, or from the
     first token when the prompt closed the reasoning; a vocabulary without a ``</think>``
     token cannot say where that is."""
@@ -597,7 +597,7 @@ async def test_reasoning_then_a_call_whole_and_streamed(serve_script):
     assert without_ids(streamed["tool_calls"]) == without_ids(message["tool_calls"])
 
 
-async def test_a_json_answer_after_reasoning(serve_script, tokenizer):  # noqa: F811
+async def test_a_json_answer_after_reasoning(serve_script, tokenizer):
     text = '<think>\nA city and a number.\n</think>{"city": "Paris", "n": 2}'
     http, engine = await serve_script(text, ApiConfig(reasoning_parser="qwen3"))
     engine.tokenizer = ThinkTokenizer(tokenizer, TEMPLATE)
@@ -625,7 +625,7 @@ async def test_reasoning_without_tools(serve_script):
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_chat_template_kwargs_reach_the_template(serve_script, tokenizer):  # noqa: F811
+async def test_chat_template_kwargs_reach_the_template(serve_script, tokenizer):
     tok = TemplateTokenizer(
         tokenizer,
         (
