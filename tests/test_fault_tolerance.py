@@ -187,6 +187,63 @@ def inject(server: ServerProcess, kind: str, engine: int) -> None:
     assert code == 200, body
 
 
+# NOTE: the two tests below start servers of their own without warm spares. Promotion is the
+# module server's (auto_server) and test_warm_spares's subject; here a spare would only be
+# warming up (~10 s of CPU per process on a 2-core box) while the test runs, and a recovery
+# started meanwhile waits for it: a manual reinit took 38 s instead of 16 s. They come first in
+# the module, before auto_server starts: after the faults of the tests below, its own spare
+# sets (an engine and a worker spare per engine) warm up again and took the CPU from these
+# two (in one suite run 37 s and 21 s, against 13 s and 9 s run first).
+def test_manual_mode_status_then_one_apply_recovers(moe_folder):
+    server = ServerProcess(server_args(moe_folder, "--served-model-name", "m",
+                                       "--no-ft-auto-recovery", "--ft-warm-spares", "0"))
+    try:
+        server.wait_healthy(240)
+        code, body = post(server, "/fault_tolerance/apply", {"instruction": "reboot"})
+        assert code == 400 and body["error"]["param"] == "instruction"
+        inject(server, "raise", 1)
+        wait_for(lambda: status(server)[1]["state"] == "unhealthy", 30, "the fault")
+        engines = status(server)
+        assert "injected fault" in engines[1]["fault_info"]
+        assert server.get("/health")[0] == 503
+        code, body = post(server, "/fault_tolerance/apply", {"instruction": "retry"})
+        assert code == 202
+        wait_for(lambda: healthy_at(server, 1), 60, "retry")
+        assert status(server)[0]["last_action_id"] == body["request_id"]
+        # A dead engine: retry cannot help, reinit can.
+        os.kill(pid_of(server, "bastion::engine-1"), signal.SIGKILL)
+        wait_for(lambda: status(server)[1]["state"] == "dead", 30, "engine 1 dead")
+        code, _ = post(server, "/fault_tolerance/apply", {"instruction": "retry"})
+        wait_for(lambda: status(server)[0]["last_action_error"] is not None, 60, "retry fails")
+        code, body = post(server, "/fault_tolerance/apply", {"instruction": "reinit"})
+        assert code == 202
+        wait_for(lambda: healthy_at(server, 3), 120, "reinit")
+        out: dict = {}
+        stream_tokens(server, PROMPTS[0], out, "after")
+        assert not out["after"].startswith("<error")
+        assert server.stop() == 0
+    finally:
+        server.kill_tree()
+
+
+def test_unrecoverable_fault_exits_non_zero(moe_folder):
+    # Recovery needs a restart that cannot finish within 0.5 s, twice: the group is dead. (No
+    # warm spare: a promotion could be quick enough.)
+    server = ServerProcess(server_args(moe_folder, "--served-model-name", "m",
+                                       "--ft-max-attempts", "2", "--ft-recovery-timeout-s", "0.5",
+                                       "--ft-warm-spares", "0"))
+    try:
+        server.wait_healthy(240)
+        children = descendants(server.pid)
+        os.kill(pid_of(server, "bastion::engine-1"), signal.SIGKILL)
+        assert server.proc.wait(120) != 0
+        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and process_title(p)
+                                 for p in children), 20, "no process left behind")
+        assert server.runtime_dirs() == []
+    finally:
+        server.kill_tree()
+
+
 @pytest.mark.parametrize("kind", ["raise", "worker_exit", "hang"])
 def test_injected_fault_recovers_and_requests_resume(auto_server, reference, kind):
     run_fault(auto_server, reference, lambda: inject(auto_server, kind, 1))
@@ -266,57 +323,3 @@ def test_no_kv_block_leaks_and_fault_series_after_faults(auto_server):
     # process's request tables too.
     tables = auto_server.wait_request_tables_empty()
     assert not any(tables.values()), tables
-
-
-# NOTE: the two tests below start servers of their own without warm spares. Promotion is the
-# module server's (auto_server) and test_warm_spares's subject; here a spare would only be
-# warming up (~10 s of CPU per process on a 2-core box) while the test runs, and a recovery
-# started meanwhile waits for it: a manual reinit took 38 s instead of 16 s.
-def test_manual_mode_status_then_one_apply_recovers(moe_folder):
-    server = ServerProcess(server_args(moe_folder, "--served-model-name", "m",
-                                       "--no-ft-auto-recovery", "--ft-warm-spares", "0"))
-    try:
-        server.wait_healthy(240)
-        code, body = post(server, "/fault_tolerance/apply", {"instruction": "reboot"})
-        assert code == 400 and body["error"]["param"] == "instruction"
-        inject(server, "raise", 1)
-        wait_for(lambda: status(server)[1]["state"] == "unhealthy", 30, "the fault")
-        engines = status(server)
-        assert "injected fault" in engines[1]["fault_info"]
-        assert server.get("/health")[0] == 503
-        code, body = post(server, "/fault_tolerance/apply", {"instruction": "retry"})
-        assert code == 202
-        wait_for(lambda: healthy_at(server, 1), 60, "retry")
-        assert status(server)[0]["last_action_id"] == body["request_id"]
-        # A dead engine: retry cannot help, reinit can.
-        os.kill(pid_of(server, "bastion::engine-1"), signal.SIGKILL)
-        wait_for(lambda: status(server)[1]["state"] == "dead", 30, "engine 1 dead")
-        code, _ = post(server, "/fault_tolerance/apply", {"instruction": "retry"})
-        wait_for(lambda: status(server)[0]["last_action_error"] is not None, 60, "retry fails")
-        code, body = post(server, "/fault_tolerance/apply", {"instruction": "reinit"})
-        assert code == 202
-        wait_for(lambda: healthy_at(server, 3), 120, "reinit")
-        out: dict = {}
-        stream_tokens(server, PROMPTS[0], out, "after")
-        assert not out["after"].startswith("<error")
-        assert server.stop() == 0
-    finally:
-        server.kill_tree()
-
-
-def test_unrecoverable_fault_exits_non_zero(moe_folder):
-    # Recovery needs a restart that cannot finish within 0.5 s, twice: the group is dead. (No
-    # warm spare: a promotion could be quick enough.)
-    server = ServerProcess(server_args(moe_folder, "--served-model-name", "m",
-                                       "--ft-max-attempts", "2", "--ft-recovery-timeout-s", "0.5",
-                                       "--ft-warm-spares", "0"))
-    try:
-        server.wait_healthy(240)
-        children = descendants(server.pid)
-        os.kill(pid_of(server, "bastion::engine-1"), signal.SIGKILL)
-        assert server.proc.wait(120) != 0
-        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and process_title(p)
-                                 for p in children), 20, "no process left behind")
-        assert server.runtime_dirs() == []
-    finally:
-        server.kill_tree()
