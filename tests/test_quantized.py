@@ -238,33 +238,43 @@ def _decode_logprobs(model: nn.Module, seqs: list[list[int]]) -> list[torch.Tens
     return [torch.stack(s) for s in steps]
 
 
+@pytest.fixture(scope="module")
+def float32_side(embedded_pair) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """The float32 model's side of the comparison below, once for both of its kernels (neither
+    setting reaches a dense float32 model: its tokens and logprobs are the same bits either
+    way): the held-out prompts' ids, their greedy continuations, and the teacher-forced
+    log-softmax of each prompt + continuation."""
+    exact, _, tokenizer = embedded_pair
+    prompts = [tokenizer(p).input_ids for p in HELD_OUT]
+    reference = PagedDriver(exact).generate(prompts, NEW_TOKENS, chunk=64, stagger=1)
+    return prompts, reference, [_logprobs(exact, p + c) for p, c in zip(prompts, reference)]
+
+
 @pytest.mark.parametrize("kernel", ["C", "torch"])
-def test_quantized_greedy_agrees_with_float32(embedded_pair, kernel: str, monkeypatch) -> None:
-    exact, quant, tokenizer = embedded_pair
+def test_quantized_greedy_agrees_with_float32(embedded_pair, float32_side, kernel: str,
+                                              monkeypatch) -> None:
+    _, quant, _ = embedded_pair
     if kernel == "torch":  # torch's int4 kernel on bfloat16 activations
         monkeypatch.setattr(quant_gemv4, "can_run", lambda x: False)
         # The fused decode call (core/models/cpu_decode.py) runs the C int4 kernel too.
         monkeypatch.setenv("BASTION_CPU_FUSED_DECODE", "0")
     elif quant.model.layers[0].mlp.gate_up_proj.quant_method.q4 is None:
         pytest.skip("the C int4 kernel needs a C compiler and AVX-512 VNNI")
-    prompts = [tokenizer(p).input_ids for p in HELD_OUT]
-    reference = PagedDriver(exact).generate(prompts, NEW_TOKENS, chunk=64, stagger=1)
+    prompts, reference, exact_logprobs = float32_side
     got = PagedDriver(quant).generate(prompts, NEW_TOKENS, chunk=64, stagger=1)
     agree = [
         next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), NEW_TOKENS)
         for r, g in zip(reference, got)
     ]
     worst = 0.0
-    for prompt, continuation in zip(prompts, reference):
-        ids = prompt + continuation
-        lp_exact, lp_quant = _logprobs(exact, ids), _logprobs(quant, ids)
+    for prompt, continuation, lp_exact in zip(prompts, reference, exact_logprobs):
+        lp_quant = _logprobs(quant, prompt + continuation)
         top = lp_exact.argmax(dim=-1, keepdim=True)
         worst = max(worst, float((lp_exact.gather(1, top) - lp_quant.gather(1, top)).abs().max()))
     # The same through the decode path (at most 4 rows a layer), against the float32 prefill.
     seqs = [p + c for p, c in zip(prompts, reference)]
     worst_decode = 0.0
-    for ids, lp_quant in zip(seqs, _decode_logprobs(quant, seqs)):
-        lp_exact = _logprobs(exact, ids)
+    for lp_exact, lp_quant in zip(exact_logprobs, _decode_logprobs(quant, seqs)):
         top = lp_exact.argmax(dim=-1, keepdim=True)
         worst_decode = max(worst_decode,
                            float((lp_exact.gather(1, top) - lp_quant.gather(1, top)).abs().max()))
