@@ -577,19 +577,54 @@ def tiny_random_draft(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, embedded_gguf_path) -> str:
+    """Another random 2-layer Llama with the embedded model's vocabulary, and its tokenizer: a
+    target whose forward takes milliseconds (the embedded model's, float32, reads 538 MB a
+    step: ~70 ms here). Its greedy tokens follow the context (no token repeats for long) with
+    top-1 margins of 1e-3 and up, far above float noise."""
+    import shutil
+
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from bastion.core.loader.gguf_loader import ensure_converted
+
+    folder = tmp_path_factory.mktemp("tiny-target")
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152),
+                                             dtype=torch.float32)
+    model.save_pretrained(folder)
+    converted = ensure_converted(embedded_gguf_path)
+    for name in converted.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, folder / name.name)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_target) -> list[list[int]]:
+    """Plain greedy decoding of PROMPTS by ``tiny_target``."""
+    from bastion.procs.llm import LLM
+
+    return [o.token_ids for o in _greedy(LLM(tiny_target, dtype="float32", max_model_len=128),
+                                         PROMPTS)]
+
+
 def _draft_config(model: str, k: int = 3) -> dict:
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
 
 
-def _small_pool_llm(speculative_config: dict, is_async: bool, caplog):
-    """An LLM whose pool is too small for PROMPTS (forced preemption), with chunked prefills
-    and prefix caching on; async scheduling as asked, never turned off behind its back."""
+def _small_pool_llm(speculative_config: dict, is_async: bool, caplog, model: str | None = None):
+    """An LLM (of ``model``, the embedded one by default) whose pool is too small for PROMPTS
+    (forced preemption), with chunked prefills and prefix caching on; async scheduling as
+    asked, never turned off behind its back."""
     from bastion.procs.llm import LLM
 
     with caplog.at_level(logging.INFO, logger="bastion.core.engine_core"):
-        llm = LLM(dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=8,
-                  num_gpu_blocks_override=16, speculative_config=speculative_config,
-                  async_scheduling=is_async)
+        llm = LLM(model, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+                  block_size=8, num_gpu_blocks_override=16,
+                  speculative_config=speculative_config, async_scheduling=is_async)
     assert llm.engine.async_scheduling is is_async
     assert llm.engine.executor.runner.is_async_spec is is_async
     assert "async scheduling is off" not in caplog.text
@@ -603,12 +638,23 @@ def _assert_all_blocks_free(llm) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks) and not kv.req_blocks
 
 
+# NOTE: the [sync] twins of the two small-pool draft-model tests run a tiny target (and, for
+# the equal draft, the same tiny model as its draft): what sync differs in (the scheduler
+# carries the drafts; no slots reserved ahead) does not depend on the model, and the scenario
+# is the same: PROMPTS' token counts, the pool and the budget give the same prefix hit,
+# chunked prefills and preemptions, with the same drafts proposed and accepted where the draft
+# is the target (19 drafts, 54 tokens, one preemption, either model). With the embedded model
+# as target and draft, [sync] took 10-14 s, most of it float32 forwards; the [async] twins
+# keep the embedded model (the verify-graph test and the seeded test run it too).
 @pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
 def test_draft_model_equal_to_the_target_has_every_draft_accepted(reference, embedded_gguf_path,
+                                                                  tiny_target, tiny_reference,
                                                                   is_async, caplog):
     # Prefix hits, chunked prefill and preemption too: the draft's KV rides on the target's
     # blocks; under async scheduling its lookahead is reserved ahead of the step in flight.
-    llm = _small_pool_llm(_draft_config(embedded_gguf_path), is_async, caplog)
+    target, draft = (None, embedded_gguf_path) if is_async else (tiny_target, tiny_target)
+    reference = reference if is_async else tiny_reference
+    llm = _small_pool_llm(_draft_config(draft), is_async, caplog, target)
     totals = _count_spec(llm)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outputs] == reference
@@ -640,8 +686,13 @@ def test_draft_model_verify_steps_through_the_verify_graph_runner(reference,
 @pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
 def test_random_draft_model_is_almost_never_accepted_and_changes_nothing(reference,
                                                                          tiny_random_draft,
+                                                                         tiny_target,
+                                                                         tiny_reference,
                                                                          is_async, caplog):
-    llm = _small_pool_llm(_draft_config(tiny_random_draft), is_async, caplog)
+    # [sync]: the tiny target (NOTE above), another random model than the draft.
+    target = None if is_async else tiny_target
+    reference = reference if is_async else tiny_reference
+    llm = _small_pool_llm(_draft_config(tiny_random_draft), is_async, caplog, target)
     totals = _count_spec(llm)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outputs] == reference
