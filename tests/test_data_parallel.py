@@ -66,21 +66,21 @@ def test_internal_dp_spreads_load_and_matches_one_process(moe_folder, offline_gr
         server.kill_tree()
 
 
-def test_external_dp_each_rank_serves_and_idle_rank_runs_dummy_batches(moe_folder,  # noqa: F811
-                                                                       offline_greedy):
+@pytest.fixture(scope="module")
+def external_ranks(moe_folder):  # noqa: F811
+    """External DP: one server per rank, one group for the two tests below (starting a pair
+    takes ~7 s of this 2-core box). Manual recovery and fault injection, which the second test
+    needs; neither changes anything until a fault, and the first test faults nothing (it runs
+    first, on the fresh group). At the end, after the second test's fault and recovery, both
+    ranks must still stop cleanly."""
     port = dp_base_port()
-    rank0 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "0"))
-    rank1 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "1"))
+    manual = ("--no-ft-auto-recovery", "--enable-fault-injection")
+    rank0 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "0", *manual))
+    rank1 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "1", *manual))
     try:
         rank0.wait_healthy(240)
         rank1.wait_healthy(240)
-        # Only rank 0 gets work: rank 1 must step dummy batches for the expert collectives.
-        assert complete(rank0, PROMPTS[0]) == offline_greedy[PROMPTS[0]]
-        assert complete(rank1, PROMPTS[1]) == offline_greedy[PROMPTS[1]]
-        for server in (rank0, rank1):
-            code, body = server.get("/fault_tolerance/status")
-            engines = json.loads(body)["engines"]
-            assert [e["state"] for e in engines] == ["healthy", "healthy"]
+        yield rank0, rank1
         # Rank 0 hosts the coordinator; stopping it first leaves rank 1 to drain on its own.
         assert rank0.stop() == 0
         assert rank1.stop() == 0
@@ -89,43 +89,44 @@ def test_external_dp_each_rank_serves_and_idle_rank_runs_dummy_batches(moe_folde
         rank0.kill_tree()
 
 
-def test_external_dp_one_apply_on_any_rank_recovers_the_whole_group(moe_folder,  # noqa: F811
+def test_external_dp_each_rank_serves_and_idle_rank_runs_dummy_batches(external_ranks,
+                                                                       offline_greedy):
+    rank0, rank1 = external_ranks
+    # Only rank 0 gets work: rank 1 must step dummy batches for the expert collectives.
+    assert complete(rank0, PROMPTS[0]) == offline_greedy[PROMPTS[0]]
+    assert complete(rank1, PROMPTS[1]) == offline_greedy[PROMPTS[1]]
+    for server in (rank0, rank1):
+        code, body = server.get("/fault_tolerance/status")
+        engines = json.loads(body)["engines"]
+        assert [e["state"] for e in engines] == ["healthy", "healthy"]
+
+
+def test_external_dp_one_apply_on_any_rank_recovers_the_whole_group(external_ranks,
                                                                    offline_greedy):
     from test_fault_tolerance import status, wait_for
 
-    port = dp_base_port()
-    manual = ("--no-ft-auto-recovery", "--enable-fault-injection")
-    rank0 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "0", *manual))
-    rank1 = ServerProcess(dp_args(moe_folder, port, "--data-parallel-rank", "1", *manual))
-    try:
-        rank0.wait_healthy(240)
-        rank1.wait_healthy(240)
-        code, _ = post(rank1, "/fault_tolerance/inject", {"kind": "raise", "engine": 1})
-        assert code == 200
-        code, body = post(rank1, "/fault_tolerance/inject", {"kind": "raise", "engine": 0})
-        assert code == 400  # rank 1's server does not own engine 0
-        for server in (rank0, rank1):
-            wait_for(lambda s=server: status(s)[1]["state"] == "unhealthy", 30, "the fault")
-        # Requests sent while the group is down wait for it instead of failing.
-        results: dict[str, str] = {}
-        threads = [threading.Thread(target=lambda s=s, p=p: results.__setitem__(p, complete(s, p)))
-                   for s, p in ((rank0, PROMPTS[0]), (rank1, PROMPTS[1]))]
-        for t in threads:
-            t.start()
-        code, body = post(rank1, "/fault_tolerance/apply", {"instruction": "retry"})
-        assert code == 202
-        for t in threads:
-            t.join(120)
-        assert results == {p: offline_greedy[p] for p in PROMPTS[:2]}
-        for server in (rank0, rank1):
-            engines = status(server)
-            assert [e["state"] for e in engines] == ["healthy", "healthy"]
-            assert engines[0]["last_action_id"] == body["request_id"]
-        assert rank0.stop() == 0
-        assert rank1.stop() == 0
-    finally:
-        rank1.kill_tree()
-        rank0.kill_tree()
+    rank0, rank1 = external_ranks
+    code, _ = post(rank1, "/fault_tolerance/inject", {"kind": "raise", "engine": 1})
+    assert code == 200
+    code, body = post(rank1, "/fault_tolerance/inject", {"kind": "raise", "engine": 0})
+    assert code == 400  # rank 1's server does not own engine 0
+    for server in (rank0, rank1):
+        wait_for(lambda s=server: status(s)[1]["state"] == "unhealthy", 30, "the fault")
+    # Requests sent while the group is down wait for it instead of failing.
+    results: dict[str, str] = {}
+    threads = [threading.Thread(target=lambda s=s, p=p: results.__setitem__(p, complete(s, p)))
+               for s, p in ((rank0, PROMPTS[0]), (rank1, PROMPTS[1]))]
+    for t in threads:
+        t.start()
+    code, body = post(rank1, "/fault_tolerance/apply", {"instruction": "retry"})
+    assert code == 202
+    for t in threads:
+        t.join(120)
+    assert results == {p: offline_greedy[p] for p in PROMPTS[:2]}
+    for server in (rank0, rank1):
+        engines = status(server)
+        assert [e["state"] for e in engines] == ["healthy", "healthy"]
+        assert engines[0]["last_action_id"] == body["request_id"]
 
 
 async def test_shutdown_stops_engine_0_after_the_others() -> None:
