@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -66,13 +67,37 @@ def _seq_lens(inputs: DecodeInputs, q: int) -> np.ndarray:
     return inputs.positions[q - 1::q] + 1
 
 
-class _HostStaging:
-    """One set of (pinned) host buffers a step is written into before its copies."""
+class _Layout(NamedTuple):
+    """Where a step's inputs sit in one flat buffer (bytes), so that one copy moves them all:
+    int64 rows (ids, positions, slots, rows of in-flight tokens), int32 (seq_lens then
+    query_start_loc), then the step's block table, ``b x width`` int32, packed."""
 
-    def __init__(self, n: int, q: int, max_blocks_per_seq: int, pin: bool) -> None:
-        self.i64 = torch.zeros((4, n * q), dtype=torch.int64, pin_memory=pin)
-        self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin)
-        self.bt = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+    n: int  # sequences (the largest bucket)
+    q: int  # tokens per sequence
+    i32_at: int
+    bt_at: int
+    size: int
+
+    @classmethod
+    def of(cls, n: int, q: int, max_blocks_per_seq: int) -> _Layout:
+        i32_at = 4 * n * q * 8
+        bt_at = i32_at + -(-(2 * n + 1) * 4 // 8) * 8
+        return cls(n, q, i32_at, bt_at, bt_at + n * max_blocks_per_seq * 4)
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(int64 [4, n * q], int32 [2n + 1], int32 [n * max_blocks_per_seq]) over ``flat``."""
+        n, q = self.n, self.q
+        return (flat[:self.i32_at].view(torch.int64).view(4, n * q),
+                flat[self.i32_at:self.i32_at + (2 * n + 1) * 4].view(torch.int32),
+                flat[self.bt_at:self.size].view(torch.int32))
+
+
+class _HostStaging:
+    """One (pinned) host buffer a step is written into before its copy."""
+
+    def __init__(self, layout: _Layout, pin: bool) -> None:
+        self.flat = torch.zeros(layout.size, dtype=torch.uint8, pin_memory=pin)
+        self.i64, self.i32, self.bt = layout.views(self.flat)
 
 
 class CUDAGraphRunner:
@@ -85,8 +110,16 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, model: nn.Module, capture_sizes: list[int], max_blocks_per_seq: int,
-                 block_size: int, device: torch.device, query_len: int = 1) -> None:
+                 block_size: int, device: torch.device, query_len: int = 1,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 prev_tokens: torch.Tensor | None = None) -> None:
         self.model = model
+        # hidden -> logits, captured in the graph behind the model (``run(logits=True)``).
+        self.head = head
+        # The previous step's sampled tokens (int64, at least as many as any step samples),
+        # which its sampler wrote: rows whose input token was still in flight read theirs
+        # from it, inside the graph (plain decode only).
+        self.prev_tokens = prev_tokens if query_len == 1 else None
         self.query_len = query_len
         self.capture_sizes = sorted(capture_sizes)
         self.max_num_seqs = self.capture_sizes[-1]
@@ -95,16 +128,23 @@ class CUDAGraphRunner:
         self.device = device
         n = self.max_num_seqs
         pin = device.type == "cuda"
-        # Packed so that one step needs three host-to-device copies: int64 rows (ids, positions,
-        # slots, rows of in-flight tokens), int32 (seq_lens then query_start_loc) and the block
-        # table. Two sets of host buffers alternate (see StagingRing).
+        # Every input of a step goes over in one host-to-device copy (``_Layout``); the block
+        # table then moves into its place in one copy on the device. Two host buffers
+        # alternate (see StagingRing).
         q = query_len
-        self._host = StagingRing(lambda: _HostStaging(n, q, max_blocks_per_seq, pin), device)
-        self._dev_i64 = torch.zeros((4, n * q), dtype=torch.int64, device=device)
-        self._dev_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
+        self._layout = layout = _Layout.of(n, q, max_blocks_per_seq)
+        self._host = StagingRing(lambda: _HostStaging(layout, pin), device)
+        self._dev_flat = torch.zeros(layout.size, dtype=torch.uint8, device=device)
+        self._dev_i64, self._dev_i32, self._dev_bt_packed = layout.views(self._dev_flat)
         self._dev_bt = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Greedy sampling of each bucket's logits, captured apart from the forward (a grammar
+        # step's bitmask is filled while the forward runs): (bucket, masked) -> (graph, tokens).
+        self._samplers: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mask_target: torch.Tensor | None = None  # where a masked sampling graph reads
+        self.mask_words = 0  # ... bitmask rows of this many int32 words
+        self._last_size: int | None = None  # the bucket the last ``run`` replayed
         self._pool: object | None = None
 
     def bucket(self, num_seqs: int) -> int | None:
@@ -165,26 +205,33 @@ class CUDAGraphRunner:
         i32[n:n + b + 1] = np.arange(0, (b + 1) * q, q, dtype=np.int32)
         i32[n + b + 1:n + size + 1] = b * q
         width = inputs.block_tables.shape[1]
-        bt = host.bt[:b * width].view(b, width)
-        bt.numpy()[:] = inputs.block_tables
-        self._dev_i64[:, :size * q].copy_(host.i64[:, :size * q], non_blocking=True)
-        self._dev_i32.copy_(host.i32, non_blocking=True)
+        num_bt = b * width
+        host.bt[:num_bt].numpy()[:] = inputs.block_tables.reshape(-1)
+        end = self._layout.bt_at + num_bt * 4
+        self._dev_flat[:end].copy_(host.flat[:end], non_blocking=True)
         # Rows past ``b`` keep stale ids: their sequences are empty, so nothing reads them.
-        staged = bt.to(self.device, non_blocking=True)
-        self._dev_bt[:b, :width].copy_(staged, non_blocking=True)
+        self._dev_bt[:b, :width].copy_(self._dev_bt_packed[:num_bt].view(b, width))
         self._host.copied()
 
-    def _patch_pending(self, b: int, prev: torch.Tensor) -> None:
+    def _patch_pending(self, size: int) -> None:
         """Input ids of rows whose token the previous step sampled, read on the device."""
-        rows = self._dev_i64[3, :b]
-        ids = self._dev_i64[0, :b]
-        ids.copy_(torch.where(rows >= 0, prev[rows.clamp(min=0)], ids))
+        rows = self._dev_i64[3, :size]
+        ids = self._dev_i64[0, :size]
+        ids.copy_(torch.where(rows >= 0, self.prev_tokens[rows.clamp(min=0)], ids))
 
     # ------------------------------------------------------------------------- run
 
-    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, size: int, meta: AttentionMetadata, head_rows: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, logits of the first ``head_rows`` rows, all by default; None without a
+        head or with ``head_rows`` 0) of the staged step."""
+        if self.prev_tokens is not None:
+            self._patch_pending(size)
         with set_forward_context(meta):
-            return self.model(*self.staged_inputs(size))
+            hidden = self.model(*self.staged_inputs(size))
+        if self.head is None or head_rows == 0:
+            return hidden, None
+        return hidden, self.head(hidden if head_rows is None else hidden[:head_rows])
 
     def staged_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (input ids, positions) device buffers of a ``size``-sequence step, as staged."""
@@ -219,7 +266,7 @@ class CUDAGraphRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(size, meta)
+                out = self._forward(size, meta)  # hidden (and logits) of every row
             if self._pool is None:
                 self._pool = graph.pool()
             self.graphs[size] = graph
@@ -233,27 +280,87 @@ class CUDAGraphRunner:
     def pool(self) -> object | None:
         return self._pool
 
-    def run(self, inputs: DecodeInputs, prev: torch.Tensor | None = None,
-            min_size: int = 0) -> torch.Tensor:
-        """Hidden states [b * q, H] of one decode step (graph replay when captured). ``prev``:
-        the previous step's sampled tokens, which rows with ``pending_rows >= 0`` read.
-        ``min_size``: run at least this bucket (a coupled DP group's agreed size); ``b`` may
-        then be 0."""
+    def run(self, inputs: DecodeInputs, min_size: int = 0, logits: bool = False) -> torch.Tensor:
+        """Hidden states [b * q, H] of one decode step (graph replay when captured), or with
+        ``logits`` (a runner built with a head) its logits [b * q, vocab]. Rows with
+        ``pending_rows >= 0`` read their input token from ``prev_tokens``. ``min_size``: run
+        at least this bucket (a coupled DP group's agreed size); ``b`` may then be 0."""
         q = self.query_len
         t = len(inputs.input_ids)
         if t % q:
             raise ValueError(f"a step of this runner feeds {q} tokens per sequence; got {t}")
+        if logits and self.head is None:
+            raise ValueError("this runner was built without a head: it has no logits")
         b = t // q
         size = self.bucket(max(b, min_size))
         if size is None or inputs.block_tables.shape[1] > self.max_blocks_per_seq:
             raise ValueError(f"decode batch of {b} sequences x {inputs.block_tables.shape[1]} "
                              f"blocks exceeds the captured {self.max_num_seqs} x "
                              f"{self.max_blocks_per_seq}")
+        if inputs.pending_rows is not None and self.prev_tokens is None and (
+                inputs.pending_rows >= 0).any():
+            raise ValueError("rows read in-flight tokens, but this runner has no prev_tokens")
         self._stage(inputs, size)
-        if inputs.pending_rows is not None and prev is not None:
-            self._patch_pending(t, prev)
         graph = self.graphs.get(size)
+        self._last_size = size if graph is not None else None
         if graph is not None:
             graph.replay()
-            return self._outputs[size][:t]
-        return self._forward(size, self.eager_metadata(inputs, size))[:t]
+            hidden, out = self._outputs[size]
+        else:  # eager: the head over the real rows only
+            hidden, out = self._forward(size, self.eager_metadata(inputs, size),
+                                        t if logits else 0)
+        return out[:t] if logits else hidden[:t]
+
+    @torch.inference_mode()
+    def capture_greedy(self, with_mask: bool = False) -> None:
+        """Capture, per bucket, the greedy sampling of its logits, the tokens also written to
+        ``prev_tokens`` (a runner built with a head and prev_tokens, captured); ``with_mask``:
+        a second graph per bucket samples under the grammar bitmask staged in ``mask_target``:
+        int32, a row map of ``max_num_seqs`` entries (-1: no mask; padding rows too), then up
+        to ``max_num_seqs`` bitmask rows of ``mask_words`` words (``GrammarBitmaskApplier.
+        upload`` lays them out so)."""
+        from bastion.core.sampler import greedy_tokens, warm_greedy_args
+        from bastion.core.structured_output.bitmask import DeviceMask
+
+        if self.head is None or self.prev_tokens is None or not self.graphs:
+            raise RuntimeError("greedy sampling graphs need a captured runner with a head "
+                               "and prev_tokens")
+        n = self.max_num_seqs
+        vocab_size = self._outputs[n][1].shape[1]
+        words = -(-vocab_size // 32)
+        mask_target = None
+        if with_mask:
+            mask_target = torch.full((n + n * words,), -1, dtype=torch.int32, device=self.device)
+        warm_greedy_args(n, self.device)  # its buffers outside the graphs' pool
+        start = time.perf_counter()
+        for size in sorted(self.graphs, reverse=True):
+            logits = self._outputs[size][1]
+            variants: list[DeviceMask | None] = [None]
+            if mask_target is not None:
+                variants.append(DeviceMask(mask_target[n:n + n * words].view(n, words),
+                                           mask_target[:size]))
+            for mask in variants:
+                greedy_tokens(logits, mask)  # warm-up
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    tokens = greedy_tokens(logits, mask)
+                    self.prev_tokens[:size].copy_(tokens)
+                self._samplers[(size, mask is not None)] = (graph, tokens)
+        torch.cuda.synchronize(self.device)
+        self.mask_target, self.mask_words = mask_target, words
+        logger.info("captured greedy sampling for %d buckets%s in %.2f s", len(self.graphs),
+                    " (and under a grammar bitmask)" if mask_target is not None else "",
+                    time.perf_counter() - start)
+
+    def sample_greedy(self, num_rows: int, masked: bool) -> torch.Tensor | None:
+        """The greedy tokens [num_rows] of the step ``run`` last replayed, under the bitmask
+        staged in ``mask_target`` when ``masked``, by its captured graph (a fixed buffer,
+        rewritten by the next sampling); None when there is none for it."""
+        entry = (self._samplers.get((self._last_size, masked))
+                 if self._last_size is not None else None)
+        if entry is None:
+            return None
+        graph, tokens = entry
+        graph.replay()
+        return tokens[:num_rows]

@@ -220,6 +220,9 @@ class ModelRunner:
         # Steps whose tokens this runner has not folded into its request state yet, oldest
         # first; all but the newest are folded in at the start of each step.
         self.inflight: deque[StepHandle] = deque()
+        # The newest sampled tokens, on the device: the decode graphs read a row's input token
+        # from here while it is still in flight (built with the first graph runner).
+        self._prev_tokens: torch.Tensor | None = None
         # Pinned buffers the eager (prefill and mixed) steps are staged in; built on first use.
         self._staging: StagingRing[_StepStaging] | None = None
         self._staging_capacity = (0, 0, 0)
@@ -357,11 +360,13 @@ class ModelRunner:
             finally:
                 self.graph_capture_s = time.perf_counter() - start
             self.graph_runner = runner
+            self._capture_sampling(runner)
             if self.lora_manager is not None:
                 base = self.build_graph_runner(with_lora=False)
                 try:
                     base.capture(pool=runner.pool)
                     self.base_graph_runner = base
+                    self._capture_sampling(base)
                 except Exception as exc:  # noqa: BLE001 - base-only steps replay the LoRA graphs
                     torch.cuda.synchronize(self.device)
                     logger.warning("CUDA graph capture without LoRA failed (%s: %s); base-only "
@@ -378,6 +383,16 @@ class ModelRunner:
                     return
                 self.verify_graph_runner = verify
 
+    def _capture_sampling(self, runner: CUDAGraphRunner) -> None:
+        """Greedy sampling graphs behind ``runner``'s (under a grammar bitmask too, on the
+        rank that keeps the grammars); without them steps sample eagerly, as before."""
+        try:
+            runner.capture_greedy(with_mask=self.grammars.enabled)
+        except Exception as exc:  # noqa: BLE001 - eager sampling stays correct
+            torch.cuda.synchronize(self.device)
+            logger.warning("CUDA graph capture of greedy sampling failed (%s: %s); steps "
+                           "sample eagerly", type(exc).__name__, exc)
+
     def build_graph_runner(self, query_len: int = 1, with_lora: bool = True) -> CUDAGraphRunner:
         """Graphs for decode steps of ``query_len`` tokens per sequence (> 1: verify steps,
         captured up to ``_MAX_VERIFY_GRAPH_TOKENS`` tokens, as vLLM bounds its capture sizes).
@@ -392,8 +407,15 @@ class ModelRunner:
         if query_len > 1:
             sizes = [s for s in sizes if s * query_len <= _MAX_VERIFY_GRAPH_TOKENS] or [1]
         max_blocks_per_seq = -(-(self.max_model_len + query_len - 1) // self.block_size)
+        if self._prev_tokens is None:
+            self._prev_tokens = torch.zeros(self.config.scheduler.max_num_seqs,
+                                            dtype=torch.int64, device=self.device)
+        # A plain decode graph ends with the LM head (one launch fewer a step); a verify
+        # step's logits rows are gathered from its hidden states first.
         return CUDAGraphRunner(self.model, sizes, max_blocks_per_seq, self.block_size,
-                               self.device, query_len)
+                               self.device, query_len,
+                               head=self.model.compute_logits if query_len == 1 else None,
+                               prev_tokens=self._prev_tokens)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # NOTE: captured graphs hold these addresses; reallocating means capturing again.
@@ -480,12 +502,13 @@ class ModelRunner:
         grammar_ids = sched.structured_output_request_ids if self.grammars.enabled else []
         prev = self.inflight[-1].sampled if self.inflight else None
         decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
+        graphs = None  # the decode graphs this step replayed, whose sampling it may replay too
         if decode is not None:
             states, inputs = decode
             self._set_lora_rows(states, [1] * len(states),
                                 self.graph_runner.bucket(max(len(states), num_rows)))
-            runner = self._decode_graph_runner()
-            logits = self.model.compute_logits(runner.run(inputs, prev, num_rows))
+            graphs = self._decode_graph_runner()
+            logits = graphs.run(inputs, num_rows, logits=True)
         else:
             batch = self._prepare_inputs(sched, prev, num_rows)
             self._set_lora_rows([self.requests[rid] for rid in sched.num_scheduled_tokens],
@@ -503,22 +526,30 @@ class ModelRunner:
         mask = None
         if grammar_ids:
             self._fold_tokens(keep=0)  # the grammar rows' matchers need the tokens in flight
-            mask = self._mask_grammar_rows(logits, states, grammar_ids, {}, staged=True)
+            target = None
+            if graphs is not None and graphs.mask_words == self.grammars.num_words:
+                target = graphs.mask_target  # where its masked sampling graph reads
+            mask = self._mask_grammar_rows(logits, states, grammar_ids, {}, staged=True,
+                                           target=target)
+            if target is None:
+                graphs = None
         # The rows' next tokens are this step's from now on: the next step, prepared before
         # they reach the host, reads them on the device.
         for row, state in enumerate(states):
             state.num_pending += 1
             state.pending_row = row
         self.inflight.append(handle)
-        return self._sample_step(handle, logits, states, mask)
+        return self._sample_step(handle, logits, states, mask, graphs)
 
     def _mask_grammar_rows(self, logits: torch.Tensor, states: list[CachedRequestState],
                            grammar_ids: list[str], spec: dict[str, list[int]],
-                           staged: bool = False) -> DeviceMask | None:
+                           staged: bool = False, target: torch.Tensor | None = None
+                           ) -> DeviceMask | None:
         """Advance each grammar row's matcher by the tokens its request has had since, and
         mask its logits row with what may come next (a row with ``d`` drafts has ``d + 1``
         logits rows; grammar rows have none). ``staged`` (a plain step on a GPU): leave the
-        masking to the sampling kernel and return the bitmask, on its way to the device."""
+        masking to the sampling kernel and return the bitmask, on its way to the device
+        (into ``target``, a decode graph runner's ``mask_target``, when given)."""
         wanted, rows, row = set(grammar_ids), [], 0
         one_behind: list[tuple[int, CachedRequestState]] = []  # caught up in one call
         for state in states:
@@ -540,18 +571,36 @@ class ModelRunner:
                 state.grammar = None
         rows.sort(key=lambda r: r[0])
         if staged and logits.is_cuda:
-            return self.grammars.stage(rows, logits.shape[0], logits.device)
+            if target is None:
+                return self.grammars.stage(rows, logits.shape[0], logits.device)
+            n = self.graph_runner.max_num_seqs  # the target's row map has this many entries
+            mask = self.grammars.stage(rows, n, logits.device, target)
+            return None if mask is None else DeviceMask(mask.bitmask,
+                                                        mask.mask_rows[:logits.shape[0]])
         self.grammars.mask(logits, rows)
         return None
 
     def _sample_step(self, handle: StepHandle, logits: torch.Tensor,
-                     states: list[CachedRequestState],
-                     mask: DeviceMask | None = None) -> StepHandle:
+                     states: list[CachedRequestState], mask: DeviceMask | None = None,
+                     graphs: CUDAGraphRunner | None = None) -> StepHandle:
         """Sample a launched step (the newest in flight; its rows count its token pending)
-        under its grammar rows' bitmask, if any."""
+        under its grammar rows' bitmask, if any: by ``graphs``' captured greedy sampling
+        (which writes ``_prev_tokens`` itself) when it replayed this step, every row is plain
+        greedy and any bitmask is staged in its ``mask_target``."""
         if any(s.needs_output_ids and s.num_pending > 1 for s in states):
             self._fold_tokens(keep=1)  # penalties and min_tokens read every token so far
-        handle.attach(states, _sync_sampled_tokens(self._sample(logits, states, mask)))
+        tokens = None
+        if graphs is not None and all(s.is_plain_greedy for s in states):
+            tokens = graphs.sample_greedy(len(states), mask is not None)
+        if tokens is not None:
+            out = _sync_sampled_tokens(SamplerOutput(tokens, None))
+            if get_tp_group().world_size > 1:  # rank 0's tokens replaced this rank's
+                self._prev_tokens[:len(states)].copy_(tokens)
+        else:
+            out = _sync_sampled_tokens(self._sample(logits, states, mask))
+            if self._prev_tokens is not None:  # where the next decode graph reads them
+                self._prev_tokens[:len(states)].copy_(out.sampled_token_ids)
+        handle.attach(states, out)
         return handle
 
     def _execute_spec(self, sched: SchedulerOutput) -> StepHandle:
@@ -576,7 +625,7 @@ class ModelRunner:
         prompt_logprobs: list[PromptLogprobs] = []
         if decode is not None:
             states, inputs = decode
-            logits = self.model.compute_logits(self.graph_runner.run(inputs, None, 0))
+            logits = self.graph_runner.run(inputs, logits=True)
         elif verify_batch is not None:
             states, inputs, rows = verify_batch
             runner = self.verify_graph_runner

@@ -352,10 +352,28 @@ def greedy_tokens(logits: torch.Tensor, mask: DeviceMask | None = None) -> torch
         if mask is not None:
             mask.apply(logits)
         return argmax_rows(logits)
-    num_rows, device = logits.shape[0], logits.device
-    return fused(logits, torch.zeros(num_rows, dtype=torch.float32, device=device),
-                 torch.zeros(num_rows, dtype=torch.int64, device=device),
-                 **_mask_args(mask))
+    temperature, seeds = _greedy_args(logits.shape[0], logits.device)
+    return fused(logits, temperature, seeds, **_mask_args(mask))
+
+
+# Per device: zero temperatures (float32) and seeds (int64) for the fused kernel's greedy
+# rows, grown as needed and never written (two allocations fewer a step).
+_GREEDY_ARGS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def warm_greedy_args(num_rows: int, device: torch.device) -> None:
+    """Allocate the greedy rows' arguments for ``num_rows`` rows now (before a graph capture,
+    so that they do not live in its pool)."""
+    _greedy_args(num_rows, device)
+
+
+def _greedy_args(num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    args = _GREEDY_ARGS.get(device)
+    if args is None or args[0].shape[0] < num_rows:
+        size = max(num_rows, 256)
+        args = _GREEDY_ARGS[device] = (torch.zeros(size, dtype=torch.float32, device=device),
+                                       torch.zeros(size, dtype=torch.int64, device=device))
+    return args[0][:num_rows], args[1][:num_rows]
 
 
 def _mask_args(mask: DeviceMask | None) -> dict[str, torch.Tensor]:

@@ -286,14 +286,17 @@ class _Sender(threading.Thread):
             step = isinstance(item, StepHandle)
             if step:
                 try:
-                    item = encode(item.output())
+                    output = item.output()
+                    if (timer := self.worker.timer) is not None:
+                        timer.mark("tokens at")
+                    item = encode(output)
                 except Exception as exc:
                     logger.exception("worker %d: step failed", self.rank)
                     item = encode(Failure("worker", self.rank, traceback.format_exc(),
                                           kind=failure_kind(exc)))
             self.outbox.send_multipart(item)
             if step and (timer := self.worker.timer) is not None:
-                timer.sent()
+                timer.mark("sent at")
 
 
 class StepTimer:
@@ -324,7 +327,8 @@ class StepTimer:
             owner = runner
             for part in path:
                 owner = getattr(owner, part)
-            self._install(owner, attr, self._wrap(getattr(owner, attr), name))
+            if owner is not None:  # e.g. no graph runner on the CPU: that part reads 0
+                self._install(owner, attr, self._wrap(getattr(owner, attr), name))
 
     def _wrap(self, method, name: str):
         def timed(*args, **kwargs):
@@ -339,10 +343,11 @@ class StepTimer:
         setattr(owner, attr, fn)
         self._undo.append((owner, attr))
 
-    def sent(self) -> None:
-        """A step's tokens went out now (from either thread)."""
+    def mark(self, name: str) -> None:
+        """Something of the step before happened now (from either thread): its tokens reached
+        the sender ("tokens at"), or went out ("sent at")."""
         if self._start is not None:
-            self.step["sent at"] = time.perf_counter() - self._start
+            self.step[name] = time.perf_counter() - self._start
 
     def stop(self) -> dict[str, float]:
         for owner, attr in self._undo:

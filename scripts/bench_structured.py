@@ -54,8 +54,9 @@ SCHEMA = {"type": "array", "minItems": 16, "items": {"type": "object", "properti
 
 
 # The worker's calls that --worker-times times (dotted from its model runner).
-WORKER_PARTS = ["_prepare_decode", "_fold_tokens", "_mask_grammar_rows",
-                "grammars._filler.fill", "grammars._applier.apply", "_sample_step"]
+WORKER_PARTS = ["_apply_delta", "_prepare_decode", "graph_runner.run", "model.compute_logits",
+                "_fold_tokens", "_mask_grammar_rows", "grammars._filler.fill",
+                "grammars.stage", "_sample_step", "_sample"]
 
 
 def stand_in_vocabulary(vocab_size: int, tokenizer: str | None = None):
@@ -243,6 +244,9 @@ def main() -> None:
                    help="--executor mp: the worker process's step by part (median ms): its "
                         "period, launch, when the step before's tokens went out, and the grammar "
                         "and sampling calls inside the launch")
+    p.add_argument("--worker-parts", nargs="+", default=None, metavar="NAME",
+                   help="--worker-times: the runner's calls to time (dotted from the model "
+                        "runner), instead of the default list")
     p.add_argument("--torch-profile", type=int, default=None, metavar="BATCH",
                    help="GPU: profile the timed runs of this batch size with torch's profiler "
                         "and print the CUDA runtime calls and kernels by host time (a blocking "
@@ -280,7 +284,7 @@ def main() -> None:
                 if worker_profile:
                     engine.executor.call("start_profile")
                 if args.worker_times and args.executor == "mp":
-                    engine.executor.call("start_timing", WORKER_PARTS)
+                    engine.executor.call("start_timing", args.worker_parts or WORKER_PARTS)
                 profiler = (cProfile.Profile() if args.cprofile == batch else None)
                 with sync_debug(profiler is not None and device == "cuda"), \
                         torch_profile(args.torch_profile == batch and device == "cuda",
@@ -327,9 +331,11 @@ def main() -> None:
                 print(f"{batch:>5} {name:>5} | "
                       + " | ".join(f"{parts[p]:>11.3f}" for p in columns))
     if worker_times:
-        print("\nthe worker process's step (TP rank 0), median ms; 'sent at': when the step "
-              "before's tokens went out, from the step's start")
-        columns = ["period", "launch", "sent at"] + WORKER_PARTS
+        print("\nthe worker process's step (TP rank 0), median ms; 'tokens at' / 'sent at': "
+              "when the step before's tokens reached the sender thread / went out, from the "
+              "step's start")
+        columns = ["period", "launch", "tokens at", "sent at"] + (args.worker_parts
+                                                                  or WORKER_PARTS)
         print(f"{'batch':>5} {'case':>5} | " + " | ".join(f"{c.split('.')[-1][-14:]:>14}"
                                                         for c in columns))
         for batch, name, parts in worker_times:

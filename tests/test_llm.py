@@ -127,9 +127,9 @@ def test_async_decode_through_the_graph_runner(prompt_ids, hf_greedy):
     calls = []
     run = runner.graph_runner.run
 
-    def counting_run(inputs, *args):
+    def counting_run(inputs, *args, **kwargs):
         calls.append(int((inputs.pending_rows >= 0).sum()))
-        return run(inputs, *args)
+        return run(inputs, *args, **kwargs)
 
     runner.graph_runner.run = counting_run
     assert greedy_ids(eager, prompt_ids) == hf_greedy

@@ -28,10 +28,11 @@ class DeviceMask:
 
 
 class GrammarBitmaskApplier:
-    """Stages bitmasks for one model runner. On a GPU a step's bitmask rows and its row map
-    share one pinned host buffer, filled in place (``buffer``) and sent in one transfer that
-    does not block (``upload``); two such buffers take turns, so a fill never waits for the
-    transfer of the step just before it."""
+    """Stages bitmasks for one model runner. On a GPU a step's row map and its bitmask rows
+    share one pinned host buffer (the map first), filled in place (``buffer``) and sent in one
+    transfer that does not block (``upload``), into fresh device memory or into a fixed
+    ``target`` that captured sampling graphs read (``mask_target``); two such buffers take
+    turns, so a fill never waits for the transfer of the step just before it."""
 
     def __init__(self) -> None:
         self._host: list[torch.Tensor | None] = [None, None]  # pinned int32, flat, in turn
@@ -45,28 +46,35 @@ class GrammarBitmaskApplier:
         ``device``: on a GPU, the pinned buffer that ``upload`` sends (no copy)."""
         if device.type != "cuda":
             return np.empty((num_rows, num_words), dtype=np.int32)
-        self._filling = self._take(num_rows * num_words + num_logits_rows)
-        return self._filling[:num_rows * num_words].numpy().reshape(num_rows, num_words)
+        self._filling = self._take(num_logits_rows + num_rows * num_words)
+        return (self._filling[num_logits_rows:num_logits_rows + num_rows * num_words]
+                .numpy().reshape(num_rows, num_words))
 
     def upload(self, bitmask: np.ndarray, rows: list[int], num_logits_rows: int,
-               device: torch.device) -> DeviceMask:
+               device: torch.device, target: torch.Tensor | None = None) -> DeviceMask:
         """Send ``bitmask`` (row ``i`` for logits row ``rows[i]``) to ``device`` with its row
-        map, in one transfer that does not block."""
+        map, in one transfer that does not block; into ``target`` (int32, flat: the map of
+        ``num_logits_rows`` entries, then the rows) when given."""
         num_rows, num_words = bitmask.shape
-        size = num_rows * num_words
+        size = num_logits_rows + num_rows * num_words
         flat = self._filling
-        if (flat is None or bitmask.ctypes.data != flat.data_ptr()  # not filled in place
-                or flat.numel() < size + num_logits_rows):
-            flat = self._take(size + num_logits_rows)
-            flat[:size].numpy().reshape(num_rows, num_words)[:] = bitmask
+        if (flat is None or flat.numel() < size  # not filled in place
+                or bitmask.ctypes.data != flat.data_ptr() + 4 * num_logits_rows):
+            flat = self._take(size)
+            flat[num_logits_rows:size].numpy().reshape(num_rows, num_words)[:] = bitmask
         self._filling = None
-        host = flat[:size + num_logits_rows]
-        mask_rows = host[size:].numpy()
+        host = flat[:size]
+        mask_rows = host[:num_logits_rows].numpy()
         mask_rows.fill(-1)
         mask_rows[rows] = np.arange(num_rows, dtype=np.int32)
-        on_device = host.to(device, non_blocking=True)
+        if target is None:
+            on_device = host.to(device, non_blocking=True)
+        else:
+            on_device = target[:size]
+            on_device.copy_(host, non_blocking=True)
         self._record(flat)
-        return DeviceMask(on_device[:size].view(num_rows, num_words), on_device[size:])
+        return DeviceMask(on_device[num_logits_rows:].view(num_rows, num_words),
+                          on_device[:num_logits_rows])
 
     def apply(self, logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
         """In place: logits row ``rows[i]`` keeps only the tokens bitmask row ``i`` allows

@@ -72,17 +72,24 @@ class WorkerGrammars:
         # request; a refusal here leaves the row unmasked and the engine ends the request.
         return grammar if grammar.catch_up(new.output_token_ids) else None
 
+    @property
+    def num_words(self) -> int:
+        """int32 words of one bitmask row (0 before the vocabulary arrived)."""
+        return self._num_words
+
     def stage(self, rows: list[tuple[int, RequestGrammar]], num_logits_rows: int,
-              device: torch.device) -> DeviceMask | None:
+              device: torch.device, target: torch.Tensor | None = None) -> DeviceMask | None:
         """What each ``(r, grammar)`` allows next for logits row ``r``, on its way to a GPU
-        ``device`` (None: no row's grammar can go on; a terminated one is left unmasked: its
+        ``device`` (into ``target``, laid out as ``GrammarBitmaskApplier.upload`` says, when
+        given; None: no row's grammar can go on; a terminated one is left unmasked: its
         request ends with this step, whose token the engine drops)."""
         rows = [(row, g) for row, g in rows if not g.is_terminated]
         if not rows:
             return None
         bitmask = self._applier.buffer(len(rows), self._num_words, device, num_logits_rows)
         self._filler.fill([g for _, g in rows], bitmask)
-        return self._applier.upload(bitmask, [row for row, _ in rows], num_logits_rows, device)
+        return self._applier.upload(bitmask, [row for row, _ in rows], num_logits_rows, device,
+                                    target)
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, RequestGrammar]]) -> None:
         """Mask logits row ``r`` with what its grammar allows next, for each ``(r, grammar)``

@@ -118,9 +118,9 @@ def count_graph_runs(llm: LLM) -> list[int]:
     calls: list[int] = []
     original = runner.graph_runner.run
 
-    def run(inputs: DecodeInputs, *args: object) -> torch.Tensor:
+    def run(inputs: DecodeInputs, *args: object, **kwargs: object) -> torch.Tensor:
         calls.append(len(inputs.input_ids))
-        return original(inputs, *args)
+        return original(inputs, *args, **kwargs)
 
     runner.graph_runner.run = run
     return calls

@@ -1,6 +1,6 @@
 """Structured outputs on a GPU: a decode step under CUDA graphs samples its grammar rows under
-their bitmask inside the sampling kernel (``ops/triton/sample.py``), the bitmask and its row
-map sent in one transfer. A tiny Qwen3 with random weights (float32) and a stand-in vocabulary
+their bitmask inside the sampling kernel (``ops/triton/sample.py``), replayed from a captured
+sampling graph that reads the bitmask and its row map where one transfer put them. A tiny Qwen3 with random weights (float32) and a stand-in vocabulary
 of 512 tokens (printable ASCII, then seeded pieces of JSON; the last token is the grammar's
 stop token).
 """
@@ -43,10 +43,11 @@ def stand_in_vocabulary() -> list[str]:
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_grammar_rows_sample_under_their_bitmask_inside_the_sampling_kernel(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mixed batch (JSON schema, regex and unconstrained rows, greedy): every step samples
-    under a staged bitmask; the tokens equal those of the same batch with the logits masked
-    first and an unmasked argmax; the unconstrained rows equal a batch of them alone; every
-    constrained output parses and validates."""
+    """Mixed batch (JSON schema, regex and unconstrained rows, greedy): every decode step
+    with a grammar row replays the masked sampling graph; the tokens equal those of the same
+    batch sampled eagerly with the logits masked first and an unmasked argmax; the
+    unconstrained rows equal a batch of them alone; every constrained output parses and
+    validates."""
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM
 
@@ -58,28 +59,36 @@ def test_grammar_rows_sample_under_their_bitmask_inside_the_sampling_kernel(
     vocab = stand_in_vocabulary()
     llm.engine.structured_output.use_tokenizer(
         xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[VOCAB - 1]))
-    assert llm.engine.executor.runner.graph_runner.is_captured
+    graphs = llm.engine.executor.runner.graph_runner
+    assert graphs.is_captured and graphs.mask_target is not None
     rng = random.Random(1)
     prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (5, 9, 13, 17, 21, 25)]
     spec = [StructuredOutputsParams(json=json.dumps(SCHEMA))] * 3 + [
         StructuredOutputsParams(regex=REGEX), None, None]
     params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=s) for s in spec]
 
-    greedy, staged = model_runner.greedy_tokens, []
+    sample_greedy, replayed = graphs.sample_greedy, []
 
-    def recorded(logits, mask=None):
-        staged.append(mask is not None)
-        return greedy(logits, mask)
+    def recorded(num_rows, masked):
+        tokens = sample_greedy(num_rows, masked)
+        replayed.append((masked, tokens is not None))
+        return tokens
 
-    monkeypatch.setattr(model_runner, "greedy_tokens", recorded)
+    monkeypatch.setattr(graphs, "sample_greedy", recorded)
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert sum(staged) >= 10  # the steps with a grammar row (none once they finish)
+    # Every decode step replayed its sampling; those with a grammar row (none once they
+    # finish) under the bitmask.
+    assert replayed and all(ok for _, ok in replayed)
+    assert sum(masked for masked, _ in replayed) >= 10
+
+    greedy = model_runner.greedy_tokens
 
     def masked_first(logits, mask=None):
         if mask is not None:
             mask.apply(logits)
         return greedy(logits)
 
+    graphs._samplers.clear()  # sample eagerly from here on
     monkeypatch.setattr(model_runner, "greedy_tokens", masked_first)
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts[4:], params[4:],
