@@ -171,7 +171,7 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
             from bastion.ops.triton import grammar_bitmask
             undo += [host.wrap_class(torch.cuda.CUDAGraph, "replay", "replay"),
                      host.wrap_class(StagingRing, "acquire", "staging"),
-                     host.wrap_class(type(runner.grammars._applier), "_buffers", "mask buffer"),
+                     host.wrap_class(type(runner.grammars._applier), "_take", "mask buffer"),
                      host.wrap_class(grammar_bitmask, "apply_bitmask_rows_triton",
                                      "mask kernel")]
         launch = engine.executor.execute_model_async
