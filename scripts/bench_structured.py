@@ -360,9 +360,13 @@ def torch_profile(on: bool, title: str):
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         yield
+    events = prof.key_averages()
     print(f"\ntorch profile, {title}: by host (self CPU) time")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22,
-                                    max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+    device_ms = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"torch profile, {title}: by device time ({device_ms:.2f} ms in all)")
+    print(events.table(sort_by="self_device_time_total", row_limit=14,
+                       max_name_column_width=60))
 
 
 @contextlib.contextmanager
