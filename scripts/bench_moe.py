@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 from bench_latency import copy_bandwidth
 from bench_offline import make_workload
+from kernel_timeline import format_timeline, kernels_of, layer_timeline
 
 
 class MoEBytes(NamedTuple):
@@ -135,7 +136,8 @@ def offline(llm, name: str, work, mb: MoEBytes) -> tuple[str, float, list[int], 
 
 
 def profile_decode(llm, batch: int) -> None:
-    """Device time per kernel over a batch's 16 steps (one prefill, 15 graph replays)."""
+    """Device time per kernel over a batch's 16 steps (one prefill, 15 graph replays), and
+    one decode layer's kernels laid out in time (``kernel_timeline``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from bastion import SamplingParams
@@ -169,6 +171,11 @@ def profile_decode(llm, batch: int) -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d}x "
               f"{e.self_device_time_total / max(e.count, 1):8.1f} us  {e.key[:70]}")
+    # Under programmatic dependent launch the kernels overlap: one layer laid out in time.
+    try:
+        print(format_timeline(layer_timeline(kernels_of(prof), "_unified_attention_kernel")))
+    except ValueError as exc:  # e.g. a trace without the graphs' kernels
+        print(f"no layer timeline: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -356,6 +356,7 @@ def torch_profile(on: bool, title: str):
     if not on:
         yield
         return
+    from kernel_timeline import format_timeline, kernels_of, layer_timeline
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -367,6 +368,10 @@ def torch_profile(on: bool, title: str):
     print(f"torch profile, {title}: by device time ({device_ms:.2f} ms in all)")
     print(events.table(sort_by="self_device_time_total", row_limit=14,
                        max_name_column_width=60))
+    try:
+        print(format_timeline(layer_timeline(kernels_of(prof), "_unified_attention_kernel")))
+    except ValueError as exc:  # e.g. a trace without the graphs' kernels
+        print(f"no layer timeline: {exc}")
 
 
 @contextlib.contextmanager
