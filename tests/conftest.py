@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,10 +163,21 @@ def tiny_config(kind: str, **overrides: Any) -> PretrainedConfig:
     return cfg
 
 
-def build_tiny_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A transformers model of ``tiny_config(kind)`` with seeded random weights (float32)."""
+def build_tiny_hf_model(kind: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A transformers model of ``tiny_config(kind, **overrides)`` with seeded random weights
+    (float32)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32)
     return model.eval()
+
+
+def copy_embedded_tokenizer(folder: Path, embedded_gguf_path: str) -> None:
+    """Put the embedded model's tokenizer files (as its GGUF converts) into ``folder``, beside
+    a checkpoint of its vocabulary."""
+    from bastion.core.loader.gguf_loader import ensure_converted
+
+    for name in ensure_converted(embedded_gguf_path).iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, folder / name.name)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -15,10 +14,7 @@ import time
 import urllib.request
 
 import pytest
-
-import torch
-
-from conftest import tiny_config
+from conftest import build_tiny_hf_model, copy_embedded_tokenizer
 from serve_fixture import ServerProcess, descendants, dp_base_port, process_title
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def main():", "1, 2, 3,"]
@@ -28,19 +24,9 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory, embedded_gguf_path) -> str:
     """A tiny random-weight Qwen3-MoE checkpoint with the embedded model's tokenizer."""
-    from bastion.core.loader.gguf_loader import ensure_converted
-
-    from transformers import AutoModelForCausalLM
-
     folder = tmp_path_factory.mktemp("tiny-moe")
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", vocab_size=49152),
-                                             dtype=torch.float32)
-    model.save_pretrained(folder)
-    converted = ensure_converted(embedded_gguf_path)
-    for name in os.listdir(converted):
-        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(converted / name, folder / name)
+    build_tiny_hf_model("qwen3_moe", seed=7, vocab_size=49152).save_pretrained(folder)
+    copy_embedded_tokenizer(folder, embedded_gguf_path)
     return str(folder)
 
 

@@ -566,14 +566,10 @@ def test_ngram_plain_steps_replay_the_decode_graph_and_verify_steps_the_verify_g
 @pytest.fixture(scope="module")
 def tiny_random_draft(tmp_path_factory) -> str:
     """A random 2-layer Llama with the embedded model's vocabulary: its drafts are junk."""
-    from conftest import tiny_config
-    from transformers import AutoModelForCausalLM
+    from conftest import build_tiny_hf_model
 
     folder = tmp_path_factory.mktemp("tiny-draft")
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152),
-                                             dtype=torch.float32)
-    model.save_pretrained(folder)
+    build_tiny_hf_model("llama", seed=3, vocab_size=49152).save_pretrained(folder)
     return str(folder)
 
 
@@ -583,22 +579,11 @@ def tiny_target(tmp_path_factory, embedded_gguf_path) -> str:
     target whose forward takes milliseconds (the embedded model's, float32, reads 538 MB a
     step: ~70 ms here). Its greedy tokens follow the context (no token repeats for long) with
     top-1 margins of 1e-3 and up, far above float noise."""
-    import shutil
-
-    from conftest import tiny_config
-    from transformers import AutoModelForCausalLM
-
-    from bastion.core.loader.gguf_loader import ensure_converted
+    from conftest import build_tiny_hf_model, copy_embedded_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-target")
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152),
-                                             dtype=torch.float32)
-    model.save_pretrained(folder)
-    converted = ensure_converted(embedded_gguf_path)
-    for name in converted.iterdir():
-        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(name, folder / name.name)
+    build_tiny_hf_model("llama", seed=5, vocab_size=49152).save_pretrained(folder)
+    copy_embedded_tokenizer(folder, embedded_gguf_path)
     return str(folder)
 
 
