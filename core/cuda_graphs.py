@@ -139,9 +139,13 @@ class CUDAGraphRunner:
         self._dev_bt = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        # Greedy sampling of each bucket's logits, captured apart from the forward (a grammar
-        # step's bitmask is filled while the forward runs): (bucket, masked) -> (graph, tokens).
-        self._samplers: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Plain sampling of each bucket's logits (greedy, or drawn at each row's temperature),
+        # captured apart from the forward (a grammar step's bitmask is filled while the forward
+        # runs): (bucket, masked, drawn) -> (graph, tokens).
+        self._samplers: dict[tuple[int, bool, bool],
+                             tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._temperature: torch.Tensor | None = None  # float32 [n], a drawing graph's input
+        self._temperature_host: StagingRing[torch.Tensor] | None = None
         self.mask_target: torch.Tensor | None = None  # where a masked sampling graph reads
         self.mask_words = 0  # ... bitmask rows of this many int32 words
         self._last_size: int | None = None  # the bucket the last ``run`` replayed
@@ -312,19 +316,20 @@ class CUDAGraphRunner:
         return out[:t] if logits else hidden[:t]
 
     @torch.inference_mode()
-    def capture_greedy(self, with_mask: bool = False) -> None:
-        """Capture, per bucket, the greedy sampling of its logits, the tokens also written to
-        ``prev_tokens`` (a runner built with a head and prev_tokens, captured); ``with_mask``:
-        a second graph per bucket samples under the grammar bitmask staged in ``mask_target``:
-        int32, a row map of ``max_num_seqs`` entries (-1: no mask; padding rows too), then up
-        to ``max_num_seqs`` bitmask rows of ``mask_words`` words (``GrammarBitmaskApplier.
-        upload`` lays them out so)."""
-        from bastion.core.sampler import greedy_tokens, warm_greedy_args
+    def capture_sampling(self, with_mask: bool = False) -> None:
+        """Capture, per bucket, the plain sampling of its logits, the tokens also written to
+        ``prev_tokens`` (a runner built with a head and prev_tokens, captured): one graph
+        greedy, one drawing each row at its temperature (0: greedy) with seeds from the global
+        RNG, as the Sampler's fused path does. ``with_mask``: both again under the grammar
+        bitmask staged in ``mask_target``: int32, a row map of ``max_num_seqs`` entries (-1: no
+        mask; padding rows too), then up to ``max_num_seqs`` bitmask rows of ``mask_words``
+        words (``GrammarBitmaskApplier.upload`` lays them out so)."""
+        from bastion.core.sampler import greedy_tokens, plain_tokens, warm_greedy_args
         from bastion.core.structured_output.bitmask import DeviceMask
 
         if self.head is None or self.prev_tokens is None or not self.graphs:
-            raise RuntimeError("greedy sampling graphs need a captured runner with a head "
-                               "and prev_tokens")
+            raise RuntimeError("sampling graphs need a captured runner with a head and "
+                               "prev_tokens")
         n = self.max_num_seqs
         vocab_size = self._outputs[n][1].shape[1]
         words = -(-vocab_size // 32)
@@ -332,6 +337,9 @@ class CUDAGraphRunner:
         if with_mask:
             mask_target = torch.full((n + n * words,), -1, dtype=torch.int32, device=self.device)
         warm_greedy_args(n, self.device)  # its buffers outside the graphs' pool
+        self._temperature = torch.ones(n, dtype=torch.float32, device=self.device)
+        self._temperature_host = StagingRing(
+            lambda: torch.zeros(n, dtype=torch.float32, pin_memory=True), self.device)
         start = time.perf_counter()
         for size in sorted(self.graphs, reverse=True):
             logits = self._outputs[size][1]
@@ -340,27 +348,41 @@ class CUDAGraphRunner:
                 variants.append(DeviceMask(mask_target[n:n + n * words].view(n, words),
                                            mask_target[:size]))
             for mask in variants:
-                greedy_tokens(logits, mask)  # warm-up
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    tokens = greedy_tokens(logits, mask)
-                    self.prev_tokens[:size].copy_(tokens)
-                self._samplers[(size, mask is not None)] = (graph, tokens)
+                for drawn in (False, True):
+                    def sample(mask=mask, drawn=drawn, logits=logits, size=size):
+                        if drawn:
+                            return plain_tokens(logits, self._temperature[:size], mask)
+                        return greedy_tokens(logits, mask)
+
+                    sample()  # warm-up
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        tokens = sample()
+                        self.prev_tokens[:size].copy_(tokens)
+                    self._samplers[(size, mask is not None, drawn)] = (graph, tokens)
         torch.cuda.synchronize(self.device)
         self.mask_target, self.mask_words = mask_target, words
-        logger.info("captured greedy sampling for %d buckets%s in %.2f s", len(self.graphs),
+        logger.info("captured plain sampling for %d buckets%s in %.2f s", len(self.graphs),
                     " (and under a grammar bitmask)" if mask_target is not None else "",
                     time.perf_counter() - start)
 
-    def sample_greedy(self, num_rows: int, masked: bool) -> torch.Tensor | None:
-        """The greedy tokens [num_rows] of the step ``run`` last replayed, under the bitmask
-        staged in ``mask_target`` when ``masked``, by its captured graph (a fixed buffer,
-        rewritten by the next sampling); None when there is none for it."""
-        entry = (self._samplers.get((self._last_size, masked))
+    def sample_plain(self, num_rows: int, masked: bool,
+                     temperatures: list[float] | None = None) -> torch.Tensor | None:
+        """The tokens [num_rows] of the step ``run`` last replayed, by its captured sampling
+        graph: greedy, or with ``temperatures`` each row drawn at its own (0: greedy); under
+        the bitmask staged in ``mask_target`` when ``masked``. A fixed buffer, rewritten by
+        the next sampling; None when no graph was captured for the step."""
+        drawn = temperatures is not None
+        entry = (self._samplers.get((self._last_size, masked, drawn))
                  if self._last_size is not None else None)
         if entry is None:
             return None
+        if drawn:
+            host = self._temperature_host.acquire()
+            host.numpy()[:num_rows] = temperatures
+            self._temperature[:num_rows].copy_(host[:num_rows], non_blocking=True)
+            self._temperature_host.copied()
         graph, tokens = entry
         graph.replay()
         return tokens[:num_rows]

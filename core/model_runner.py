@@ -70,6 +70,10 @@ class CachedRequestState:
     # Greedy with nothing that changes the logits (no penalties, min_tokens or logprobs): the
     # token is the plain argmax, so an all-such batch skips building sampling metadata.
     is_plain_greedy: bool = False
+    # The temperature the fused kernel draws this row's token at as it is (0.0: plain
+    # greedy), so a captured sampling graph can; None: the sampler changes its logits first,
+    # or it has a generator of its own (a seed).
+    plain_temperature: float | None = None
     # Its sampling reads the tokens generated so far (penalties, min_tokens), so a step cannot
     # be prepared while its previous token is still on the device.
     needs_output_ids: bool = False
@@ -122,6 +126,17 @@ def _needs_output_ids(params: SamplingParams) -> bool:
 def _is_plain_greedy(params: SamplingParams) -> bool:
     return (params.is_greedy and params.logprobs is None and not _needs_output_ids(params)
             and not params.logit_bias)
+
+
+def _plain_temperature(params: SamplingParams) -> float | None:
+    """``CachedRequestState.plain_temperature`` of a request sampled with ``params``."""
+    if _is_plain_greedy(params):
+        return 0.0
+    if (params.is_greedy or params.logprobs is not None or _needs_output_ids(params)
+            or params.logit_bias or params.seed is not None or params.top_k > 0
+            or params.top_p < 1.0 or params.min_p > 0.0):
+        return None
+    return float(params.temperature)
 
 
 class StepHandle:
@@ -384,13 +399,13 @@ class ModelRunner:
                 self.verify_graph_runner = verify
 
     def _capture_sampling(self, runner: CUDAGraphRunner) -> None:
-        """Greedy sampling graphs behind ``runner``'s (under a grammar bitmask too, on the
+        """Plain sampling graphs behind ``runner``'s (under a grammar bitmask too, on the
         rank that keeps the grammars); without them steps sample eagerly, as before."""
         try:
-            runner.capture_greedy(with_mask=self.grammars.enabled)
+            runner.capture_sampling(with_mask=self.grammars.enabled)
         except Exception as exc:  # noqa: BLE001 - eager sampling stays correct
             torch.cuda.synchronize(self.device)
-            logger.warning("CUDA graph capture of greedy sampling failed (%s: %s); steps "
+            logger.warning("CUDA graph capture of plain sampling failed (%s: %s); steps "
                            "sample eagerly", type(exc).__name__, exc)
 
     def build_graph_runner(self, query_len: int = 1, with_lora: bool = True) -> CUDAGraphRunner:
@@ -460,6 +475,7 @@ class ModelRunner:
                 new.num_computed_tokens, list(new.output_token_ids),
                 new.prompt_token_ids + new.output_token_ids, generator, new.eos_token_id,
                 is_plain_greedy=_is_plain_greedy(new.sampling_params),
+                plain_temperature=_plain_temperature(new.sampling_params),
                 needs_output_ids=_needs_output_ids(new.sampling_params),
                 lora_request=new.lora_request, grammar=self.grammars.matcher_for(new))
             max_tokens = new.sampling_params.max_tokens
@@ -584,14 +600,17 @@ class ModelRunner:
                      states: list[CachedRequestState], mask: DeviceMask | None = None,
                      graphs: CUDAGraphRunner | None = None) -> StepHandle:
         """Sample a launched step (the newest in flight; its rows count its token pending)
-        under its grammar rows' bitmask, if any: by ``graphs``' captured greedy sampling
-        (which writes ``_prev_tokens`` itself) when it replayed this step, every row is plain
-        greedy and any bitmask is staged in its ``mask_target``."""
+        under its grammar rows' bitmask, if any: by ``graphs``' captured sampling (which
+        writes ``_prev_tokens`` itself) when it replayed this step, every row is plain (greedy
+        or drawn at its temperature alone) and any bitmask is staged in its ``mask_target``."""
         if any(s.needs_output_ids and s.num_pending > 1 for s in states):
             self._fold_tokens(keep=1)  # penalties and min_tokens read every token so far
         tokens = None
-        if graphs is not None and all(s.is_plain_greedy for s in states):
-            tokens = graphs.sample_greedy(len(states), mask is not None)
+        if graphs is not None:
+            temperatures = [s.plain_temperature for s in states]
+            if None not in temperatures:
+                tokens = graphs.sample_plain(len(states), mask is not None,
+                                             temperatures if any(temperatures) else None)
         if tokens is not None:
             out = _sync_sampled_tokens(SamplerOutput(tokens, None))
             if get_tp_group().world_size > 1:  # rank 0's tokens replaced this rank's

@@ -376,6 +376,18 @@ def _greedy_args(num_rows: int, device: torch.device) -> tuple[torch.Tensor, tor
     return args[0][:num_rows], args[1][:num_rows]
 
 
+def plain_tokens(logits: torch.Tensor, temperature: torch.Tensor,
+                 mask: DeviceMask | None = None) -> torch.Tensor:
+    """One token per row on a GPU, in one read of the logits: the argmax where ``temperature``
+    (float32 [N]) is 0, else a draw from ``softmax(logits / T)`` with Philox noise from seeds
+    drawn from the global RNG, among the tokens ``mask`` allows (the Sampler's fused path)."""
+    fused = _fused_sampler()
+    if fused is None:
+        raise RuntimeError("plain_tokens needs the fused sampling kernel (Triton on a GPU)")
+    return fused(logits, temperature, _row_seeds(logits.shape[0], logits.device),
+                 **_mask_args(mask))
+
+
 def _mask_args(mask: DeviceMask | None) -> dict[str, torch.Tensor]:
     return {} if mask is None else {"mask": mask.bitmask, "mask_rows": mask.mask_rows}
 
@@ -403,8 +415,7 @@ class Sampler:
             # One read of the logits on the GPU; the same distribution as ``sample`` below
             # (the noise comes from Philox instead of torch's generator).
             temperature = meta.temperature.masked_fill(meta.is_greedy, 0.0)
-            seeds = _row_seeds(logits.shape[0], logits.device)
-            return SamplerOutput(fused(logits, temperature, seeds, **_mask_args(mask)), None)
+            return SamplerOutput(plain_tokens(logits, temperature, mask), None)
         if mask is not None:
             mask.apply(logits)
         logits = logits.float()

@@ -146,3 +146,27 @@ def test_a_forward_that_cannot_be_captured_runs_eager_with_one_warning(monkeypat
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == ["CUDA graph capture failed (RuntimeError: CUDA error: operation not "
                         "permitted when stream is capturing); decode runs eager"]
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"temperature": 0.0}, 0.0),
+    ({"temperature": 0.7}, 0.7),
+    ({"temperature": 0.7, "top_k": -1}, 0.7),
+    ({"temperature": 0.7, "top_p": 0.9}, None),
+    ({"temperature": 0.7, "top_k": 5}, None),
+    ({"temperature": 0.7, "min_p": 0.1}, None),
+    ({"temperature": 0.7, "seed": 3}, None),
+    ({"temperature": 0.7, "logprobs": 0}, None),
+    ({"temperature": 0.0, "logprobs": 2}, None),
+    ({"temperature": 0.7, "repetition_penalty": 1.1}, None),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, None),
+    ({"temperature": 0.7, "min_tokens": 2}, None),
+    ({"temperature": 0.7, "logit_bias": {5: 1.0}}, None),
+])
+def test_plain_temperature_says_which_rows_a_sampling_graph_may_draw(fields, expected):
+    """A captured sampling graph draws a row only when the fused kernel would draw it as it
+    is (greedy: 0.0; a temperature alone: that temperature); every processor, logprobs or a
+    seed of its own sends the step to the eager sampler (None)."""
+    from bastion.core.model_runner import _plain_temperature
+
+    assert _plain_temperature(SamplingParams(**fields)) == expected

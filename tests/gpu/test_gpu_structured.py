@@ -48,33 +48,17 @@ def test_grammar_rows_sample_under_their_bitmask_inside_the_sampling_kernel(
     batch sampled eagerly with the logits masked first and an unmasked argmax; the
     unconstrained rows equal a batch of them alone; every constrained output parses and
     validates."""
-    import xgrammar as xgr
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("qwen3", vocab_size=VOCAB),
-                                     dtype=torch.float32).save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), load_format="hf", dtype="float32", skip_tokenizer_init=True,
-              max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=1 << 28)
-    vocab = stand_in_vocabulary()
-    llm.engine.structured_output.use_tokenizer(
-        xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[VOCAB - 1]))
-    graphs = llm.engine.executor.runner.graph_runner
-    assert graphs.is_captured and graphs.mask_target is not None
-    rng = random.Random(1)
-    prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (5, 9, 13, 17, 21, 25)]
-    spec = [StructuredOutputsParams(json=json.dumps(SCHEMA))] * 3 + [
-        StructuredOutputsParams(regex=REGEX), None, None]
+    llm, vocab, graphs, prompts, spec = _tiny_llm(tmp_path)
     params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=s) for s in spec]
 
-    sample_greedy, replayed = graphs.sample_greedy, []
+    sample_plain, replayed = graphs.sample_plain, []
 
-    def recorded(num_rows, masked):
-        tokens = sample_greedy(num_rows, masked)
-        replayed.append((masked, tokens is not None))
+    def recorded(num_rows, masked, temperatures=None):
+        tokens = sample_plain(num_rows, masked, temperatures)
+        replayed.append((masked, tokens is not None and temperatures is None))
         return tokens
 
-    monkeypatch.setattr(graphs, "sample_greedy", recorded)
+    monkeypatch.setattr(graphs, "sample_plain", recorded)
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     # Every decode step replayed its sampling; those with a grammar row (none once they
     # finish) under the bitmask.
@@ -96,12 +80,77 @@ def test_grammar_rows_sample_under_their_bitmask_inside_the_sampling_kernel(
     llm.shutdown()
     assert fused == reference
     assert fused[4:] == alone
+    _check_outputs(vocab, fused)
+
+
+def _tiny_llm(folder: Path, **kwargs):
+    """(LLM of a tiny random float32 Qwen3 under CUDA graphs with the stand-in vocabulary,
+    the vocabulary, its decode graph runner, six prompts, their grammars: three JSON schema,
+    one regex, two none)."""
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3", vocab_size=VOCAB),
+                                     dtype=torch.float32).save_pretrained(folder)
+    llm = LLM(str(folder), load_format="hf", dtype="float32", skip_tokenizer_init=True,
+              max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=1 << 28, **kwargs)
+    vocab = stand_in_vocabulary()
+    llm.engine.structured_output.use_tokenizer(
+        xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[VOCAB - 1]))
+    graphs = llm.engine.executor.runner.graph_runner
+    assert graphs.is_captured and graphs.mask_target is not None
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (5, 9, 13, 17, 21, 25)]
+    spec = [StructuredOutputsParams(json=json.dumps(SCHEMA))] * 3 + [
+        StructuredOutputsParams(regex=REGEX), None, None]
+    return llm, vocab, graphs, prompts, spec
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_rows_drawn_at_a_temperature_replay_the_drawing_sampling_graphs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same mixed batch drawn at temperature 0.8 (no seed, nothing else): every decode
+    step replays a drawing sampling graph with each row's temperature, under the bitmask while
+    a grammar row is in the batch; the constrained outputs parse and validate; the same global
+    seed gives the same tokens again (the graphs' seeds come from the global RNG); the draws
+    are not the greedy tokens."""
+    llm, vocab, graphs, prompts, spec = _tiny_llm(tmp_path, enable_prefix_caching=False)
+    sample_plain, replayed = graphs.sample_plain, []
+
+    def recorded(num_rows, masked, temperatures=None):
+        tokens = sample_plain(num_rows, masked, temperatures)
+        replayed.append((masked, tokens is not None, temperatures))
+        return tokens
+
+    monkeypatch.setattr(graphs, "sample_plain", recorded)
+
+    def run(temperature: float) -> list[list[int]]:
+        params = [SamplingParams(temperature=temperature, max_tokens=80, structured_outputs=s)
+                  for s in spec]
+        torch.manual_seed(5)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    drawn = run(0.8)
+    assert replayed and all(ok and t is not None and set(t) == {0.8}
+                            for _, ok, t in replayed)
+    assert sum(masked for masked, _, _ in replayed) >= 10
+    again = run(0.8)
+    greedy = run(0.0)
+    llm.shutdown()
+    assert again == drawn
+    assert sum(a != b for a, b in zip(drawn, greedy)) >= 4
+    _check_outputs(vocab, drawn)
+
+
+def _check_outputs(vocab: list[str], outputs: list[list[int]]) -> None:
+    """Rows 0-2 parse and validate against SCHEMA, row 3 matches REGEX."""
+    import re
 
     def text(tokens: list[int]) -> str:
         return "".join(vocab[t] for t in tokens if t != VOCAB - 1)
 
-    for tokens in fused[:3]:
+    for tokens in outputs[:3]:
         jsonschema.validate(json.loads(text(tokens)), SCHEMA)
-    import re
-
-    assert re.fullmatch(REGEX, text(fused[3]))
+    assert re.fullmatch(REGEX, text(outputs[3]))
