@@ -516,7 +516,6 @@ class ModelRunner:
                 self._dummy_run(num_rows, self._can_replay(sched, num_rows))
             return handle
         grammar_ids = sched.structured_output_request_ids if self.grammars.enabled else []
-        prev = self.inflight[-1].sampled if self.inflight else None
         decode = self._prepare_decode(sched) if self._can_replay(sched, num_rows) else None
         graphs = None  # the decode graphs this step replayed, whose sampling it may replay too
         if decode is not None:
@@ -526,6 +525,7 @@ class ModelRunner:
             graphs = self._decode_graph_runner()
             logits = graphs.run(inputs, num_rows, logits=True)
         else:
+            prev = self.inflight[-1].sampled if self.inflight else None
             batch = self._prepare_inputs(sched, prev, num_rows)
             self._set_lora_rows([self.requests[rid] for rid in sched.num_scheduled_tokens],
                                 list(sched.num_scheduled_tokens.values()),
@@ -542,13 +542,11 @@ class ModelRunner:
         mask = None
         if grammar_ids:
             self._fold_tokens(keep=0)  # the grammar rows' matchers need the tokens in flight
-            target = None
-            if graphs is not None and graphs.mask_words == self.grammars.num_words:
-                target = graphs.mask_target  # where its masked sampling graph reads
+            if graphs is not None and (graphs.mask_target is None
+                                       or graphs.mask_words != self.grammars.num_words):
+                graphs = None  # no masked sampling graph reads bitmask rows of this width
             mask = self._mask_grammar_rows(logits, states, grammar_ids, {}, staged=True,
-                                           target=target)
-            if target is None:
-                graphs = None
+                                           graphs=graphs)
         # The rows' next tokens are this step's from now on: the next step, prepared before
         # they reach the host, reads them on the device.
         for row, state in enumerate(states):
@@ -559,13 +557,13 @@ class ModelRunner:
 
     def _mask_grammar_rows(self, logits: torch.Tensor, states: list[CachedRequestState],
                            grammar_ids: list[str], spec: dict[str, list[int]],
-                           staged: bool = False, target: torch.Tensor | None = None
+                           staged: bool = False, graphs: CUDAGraphRunner | None = None
                            ) -> DeviceMask | None:
         """Advance each grammar row's matcher by the tokens its request has had since, and
         mask its logits row with what may come next (a row with ``d`` drafts has ``d + 1``
         logits rows; grammar rows have none). ``staged`` (a plain step on a GPU): leave the
         masking to the sampling kernel and return the bitmask, on its way to the device
-        (into ``target``, a decode graph runner's ``mask_target``, when given)."""
+        (into the ``mask_target`` of ``graphs``, the decode graphs it replayed, when given)."""
         wanted, rows, row = set(grammar_ids), [], 0
         one_behind: list[tuple[int, CachedRequestState]] = []  # caught up in one call
         for state in states:
@@ -587,10 +585,11 @@ class ModelRunner:
                 state.grammar = None
         rows.sort(key=lambda r: r[0])
         if staged and logits.is_cuda:
-            if target is None:
+            if graphs is None:
                 return self.grammars.stage(rows, logits.shape[0], logits.device)
-            n = self.graph_runner.max_num_seqs  # the target's row map has this many entries
-            mask = self.grammars.stage(rows, n, logits.device, target)
+            # The target's row map has an entry for each of the graphs' rows.
+            mask = self.grammars.stage(rows, graphs.max_num_seqs, logits.device,
+                                       graphs.mask_target)
             return None if mask is None else DeviceMask(mask.bitmask,
                                                         mask.mask_rows[:logits.shape[0]])
         self.grammars.mask(logits, rows)
