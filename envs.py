@@ -95,6 +95,12 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_L2_PREFETCH": EnvVar(
         True, _flag, "0: the decode step's matrix-vector kernels (and the MoE down kernel) do "
         "not prefetch their weight tiles into L2 before their wait (ops/triton/pdl.py)"),
+    "BASTION_MOE_DOWN_PREFETCH": EnvVar(
+        True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
+        "the up kernel runs (A/B runs)"),
+    "BASTION_MOE_GEMV_CONFIG": EnvVar(
+        "", _text, "the MoE matrix-vector kernels' tiles instead of the tuned table's: "
+        "'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...' (either part; A/B runs)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

@@ -25,7 +25,8 @@
 # kernels' launch configs for Qwen3-30B-A3B, JSON to $OUT; $MOE_TUNE_ARGS e.g. "--tokens 1 2
 # --update --install"), moe (Qwen3-30B-A3B architecture: offline throughput and batch-1/8
 # latency beside their floors; $MOE_ARGS e.g. --latency, $MOE_PROFILE batch sizes to
-# profile), gemvtune (the decode-rows matmul: cuBLAS against ops/triton/gemv.py's tiles for
+# profile; moeenv: batch-1 latency once per environment assignment in $MOE_ENVS, as offenv),
+# gemvtune (the decode-rows matmul: cuBLAS against ops/triton/gemv.py's tiles for
 # the benchmarked models' linear shapes, beside the floor), specbench (a speculative verify
 # step with k = 2, 4 against a decode step, Llama-3.1-8B architecture, batch 1/8/32),
 # speccheck (ngram and draft-model greedy tokens identical to plain decoding under the decode
@@ -192,6 +193,10 @@ for s in $STAGES; do
     moe) stage moe 400 'offline|latency|experts reached|profile|^  +[0-9]|Error|error' -- \
       $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b --profile ${MOE_PROFILE:-} \
       ${MOE_ARGS:-} ;;
+    moeenv) stage moeenv 560 'environment|latency batch|Error|error' -- bash -c \
+      "for e in ${MOE_ENVS:-BASTION_PDL=1}; do echo \"environment \$e\"; env \${e//+/ } $PY \
+      scripts/bench_moe.py --model configs/qwen3-30b-a3b --latency --batch-sizes 1 \
+      --census-batch 8 ${MOE_ARGS:-}; done" ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
     hf) stage hf 120 'workload|bastion|HF|ratio|Error' -- \

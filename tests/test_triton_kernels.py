@@ -750,6 +750,29 @@ def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows() -> None:
                                atol=1e-5)
 
 
+def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BASTION_MOE_GEMV_CONFIG`` (in-model tile sweeps) replaces the table's up tile and
+    keeps its down tile; the kernels run in those tiles and still match the reference; a
+    malformed value is refused with the variable's name."""
+    from bastion.ops.triton import fused_moe_gemv as g
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 48, generator=gen)
+    w13 = torch.randn(4, 2 * 24, 48, generator=gen) / 48 ** 0.5
+    w2 = torch.randn(4, 48, 24, generator=gen) / 24 ** 0.5
+    weights, ids = select_experts_ref(torch.randn(2, 4, generator=gen), 2, True)
+    monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=4,16,2,1")
+    up, down = g._tiles({"up": _GEMV_TILES["up"], "down": _GEMV_TILES["down"]})
+    assert up == {"BLOCK_SIZE_N": 4, "BLOCK_SIZE_K": 16, "num_warps": 2, "num_stages": 1}
+    assert down == _GEMV_TILES["down"]
+    out = fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
+                               atol=1e-5)
+    monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=4,16")
+    with pytest.raises(ValueError, match="BASTION_MOE_GEMV_CONFIG"):
+        fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
+
+
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [
     (1, 40, 96, 32, False), (2, 37, 80, 32, True), (3, 16, 64, 64, False), (4, 9, 100, 64, True)])
 def test_gemv_matches_linear(rows: int, n: int, k: int, block_k: int, bias: bool) -> None:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion import envs
 from bastion.ops.triton.pdl import (prefetch_l2, prefetch_lanes, release_early, use_pdl,
                                    use_prefetch, wait_for_previous)
 
@@ -174,7 +175,7 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     if num_tokens == 0:
         return out
     act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
-    up, down = config["up"], config["down"]
+    up, down = _tiles(config)
     pdl = use_pdl(hidden.device)
     routed_bytes = num_tokens * top_k * w2[0].numel() * w2.element_size()  # at the most
     _moe_gemv_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_SIZE_N"]))](
@@ -187,7 +188,23 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=down["BLOCK_SIZE_N"],
         BLOCK_K=down["BLOCK_SIZE_K"], USE_PDL=pdl,
-        PREFETCH=use_prefetch(hidden.device, routed_bytes),
+        PREFETCH=(use_prefetch(hidden.device, routed_bytes)
+                  and envs.get("BASTION_MOE_DOWN_PREFETCH")),
         W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]),
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out
+
+
+def _tiles(config: dict) -> tuple[dict, dict]:
+    """The up and down tiles: the tuned table's, or ``BASTION_MOE_GEMV_CONFIG``'s."""
+    tiles = {"up": config["up"], "down": config["down"]}
+    raw = envs.get("BASTION_MOE_GEMV_CONFIG")
+    for part in filter(None, raw.split(";")):
+        name, _, values = part.partition("=")
+        fields = values.split(",")
+        if name.strip() not in tiles or len(fields) != 4:
+            raise ValueError(f"BASTION_MOE_GEMV_CONFIG={raw!r}: want "
+                             "'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...'")
+        keys = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages")
+        tiles[name.strip()] = dict(zip(keys, map(int, fields)))
+    return tiles["up"], tiles["down"]
