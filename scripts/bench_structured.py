@@ -137,7 +137,8 @@ class HostTimes:
 
 def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
                 prompt: list[int], max_tokens: int, spec: StructuredOutputsParams | None,
-                tag: str, host: HostTimes | None = None) -> tuple[list[float], list[float]]:
+                tag: str, host: HostTimes | None = None, temperature: float = 0.0
+                ) -> tuple[list[float], list[float]]:
     fills: list[float] = []
     runner = getattr(engine.executor, "runner", None)  # a worker in this process
     undo: list[Callable[[], None]] = []
@@ -185,7 +186,7 @@ def timed_batch(engine: EngineCore, eos_token_id: int, device: str, batch: int,
 
         engine.executor.execute_model_async = timed_launch
         undo.append(lambda: host.unwrap(engine.executor, ["execute_model_async"]))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                             structured_outputs=spec)
     for i in range(batch):
         engine.add_request(EngineCoreRequest(f"{tag}-{i}", prompt, params,
@@ -220,6 +221,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's (both cases): 0 samples greedily")
     p.add_argument("--tokenizer", default=None,
                    help="a folder with a tokenizer for the stand-in vocabulary of a dummy model "
                         "(default: the embedded model's)")
@@ -293,7 +296,7 @@ def main() -> None:
                         profiler.enable()
                     steps, fills = timed_batch(engine, eos_token_id, device, batch, prompt,
                                                args.max_tokens, s, f"{name}-{batch}-{round_}",
-                                               host)
+                                               host, args.temperature)
                     if profiler is not None:
                         profiler.disable()
                         profiles.append((batch, name, len(steps), profiler))
@@ -317,6 +320,7 @@ def main() -> None:
                      statistics.median(fill_ms) if fill_ms else 0.0,
                      statistics.median(overheads), overheads, min(counted)))
     print(f"\n{title}, {args.max_tokens} tokens per request, prompt {args.prompt_len}, "
+          f"temperature {args.temperature}, "
           f"{args.rounds} round(s) of none then json (medians over rounds)")
     print(f"{'batch':>5} | {'step ms (none)':>14} | {'step ms (json)':>14} | "
           f"{'fill ms':>7} | {'overhead':>8} | json steps | each round")
