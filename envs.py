@@ -95,6 +95,10 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_L2_PREFETCH": EnvVar(
         True, _flag, "0: the decode step's matrix-vector kernels (and the MoE down kernel) do "
         "not prefetch their weight tiles into L2 before their wait (ops/triton/pdl.py)"),
+    "BASTION_GEMV_WHOLE_K": EnvVar(
+        False, _flag, "1: a one-row matrix-vector product whose weights would be prefetched "
+        "into L2 (ops/triton/pdl.py) instead reads its whole weight tile (K up to 4096, 32 KB a "
+        "program) into registers before its wait (A/B runs; not yet measured on a GPU)"),
     "BASTION_MOE_DOWN_PREFETCH": EnvVar(
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),

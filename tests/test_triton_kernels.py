@@ -791,6 +791,66 @@ def test_gemv_matches_linear(rows: int, n: int, k: int, block_k: int, bias: bool
                                atol=1e-3)
 
 
+@pytest.fixture
+def gemv_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments of every matrix-vector launch, on a device that would prefetch
+    (``use_prefetch`` true); a launch asking for the L2 prefetch (inline PTX, which the
+    interpreter cannot run) is recorded and not run."""
+    from bastion.ops.triton import gemv as g
+
+    launches: list[dict] = []
+    kernel = g._gemv_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append({"grid": grid, **kwargs})
+                if not kwargs["PREFETCH"]:
+                    kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(g, "_gemv_kernel", Recorder())
+    monkeypatch.setattr(g, "use_prefetch", lambda device, num_bytes: True)
+    return launches
+
+
+@pytest.mark.parametrize("n,k,whole_k,block_n", [(40, 96, 128, 8), (20, 2048, 2048, 8),
+                                                   (12, 3072, 4096, 4), (9, 4096, 4096, 4)])
+def test_gemv_whole_k_tile(monkeypatch: pytest.MonkeyPatch, gemv_launches: list[dict], n: int,
+                           k: int, whole_k: int, block_n: int) -> None:
+    """``BASTION_GEMV_WHOLE_K``: a one-row product that would prefetch its weights launches
+    with K in one step (K rounded up to a power of two, masked past K) and at most 32 KB of
+    bf16 weights a program, without the L2 prefetch, and still matches; off, it keeps the
+    table's tile and prefetches."""
+    from bastion.ops.triton.gemv import gemv_triton
+
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    config = {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4}
+    monkeypatch.setenv("BASTION_GEMV_WHOLE_K", "1")
+    out = gemv_triton(x, w, None, config, out_dtype=torch.float32)
+    torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
+    launch = gemv_launches[-1]
+    assert (launch["BLOCK_K"], launch["BLOCK_N"], launch["PREFETCH"]) == (whole_k, block_n, False)
+    assert launch["grid"] == (-(-n // block_n),) and launch["EVEN_K"] == (k == whole_k)
+    monkeypatch.setenv("BASTION_GEMV_WHOLE_K", "0")
+    gemv_triton(x, w, None, config)
+    assert (gemv_launches[-1]["BLOCK_K"], gemv_launches[-1]["PREFETCH"]) == (32, True)
+
+
+def test_gemv_whole_k_keeps_the_tile_past_4096_or_two_rows(monkeypatch: pytest.MonkeyPatch,
+                                                           gemv_launches: list[dict]) -> None:
+    from bastion.ops.triton.gemv import gemv_triton
+
+    monkeypatch.setenv("BASTION_GEMV_WHOLE_K", "1")
+    config = {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
+    gemv_triton(torch.randn(1, 4100).bfloat16(), torch.randn(3, 4100).bfloat16(), None, config)
+    gemv_triton(torch.randn(2, 512).bfloat16(), torch.randn(3, 512).bfloat16(), None, config)
+    assert [(launch["BLOCK_K"], launch["PREFETCH"]) for launch in gemv_launches] == [
+        (1024, True), (1024, True)]
+
+
 def test_fused_moe_expert_parallel_slices_and_padding_rows() -> None:
     """Two ranks' halves of the experts sum to the whole; a rank none of whose experts a token
     chose, and rows with id -1, add exactly zero."""

@@ -14,8 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion import envs
 from bastion.ops.triton.pdl import (prefetch_l2, prefetch_lanes, release_early, use_pdl,
                                    use_prefetch, wait_for_previous)
+
+
+# BASTION_GEMV_WHOLE_K: a program's weight tile in one K step, at most this many bytes (64
+# registers a thread at 4 warps), for K up to WHOLE_K_MAX.
+WHOLE_K_TILE_BYTES = 32 * 1024
+WHOLE_K_MAX = 4096
 
 
 @triton.jit
@@ -99,11 +106,18 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return y
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
     pdl, warps = use_pdl(x.device), config["num_warps"]
+    prefetch = use_prefetch(x.device, weight.numel() * weight.element_size())
+    if prefetch and m == 1 and k <= WHOLE_K_MAX and envs.get("BASTION_GEMV_WHOLE_K"):
+        # The kernel reads its first K step before the wait: with that step the whole of K,
+        # each program holds its whole weight tile in registers by the time the kernel before
+        # it ends, and after the wait reads only x (A/B switch; see envs).
+        bk = triton.next_power_of_2(k)
+        bn = max(1, min(bn, WHOLE_K_TILE_BYTES // (bk * weight.element_size())))
+        prefetch = False
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
-        PREFETCH=use_prefetch(x.device, weight.numel() * weight.element_size()),
-        W_BYTES=weight.element_size(),
+        PREFETCH=prefetch, W_BYTES=weight.element_size(),
         LINES=prefetch_lanes(warps), num_warps=warps, launch_pdl=bool(pdl))
     return y
