@@ -78,10 +78,10 @@ VARIABLES: dict[str, EnvVar] = {
         "rounding), 1 to int8 (llama.cpp's scheme; faster, but the embedded model's decode "
         "logprobs then move past tests/test_quantized.py's bound)"),
     "BASTION_GRAMMAR_FILL_THREADS": EnvVar(
-        1, _count, "threads xgrammar splits one bitmask fill of 16 or more rows over "
-        "(core/structured_output/fill.py; it starts them anew for every fill: with 8 on an H200 "
-        "host a 32-row fill took 1.15 ms against 0.12 ms on one); 0: half the cores the worker "
-        "may run on, at most 8"),
+        0, _count, "shares a bitmask fill expected to take over 0.2 ms on one thread is split "
+        "into (rows interleaved; the calling thread and threads that live as long as the worker; "
+        "core/structured_output/fill.py); 1: every fill on one thread; 0 (default): half the "
+        "cores the worker may run on, at most 8"),
     "BASTION_LORA_SIDE_STREAM": EnvVar(
         True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
         "in captured graphs (core/lora/layers.py)"),

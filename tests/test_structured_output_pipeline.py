@@ -257,7 +257,8 @@ def test_a_step_interrupted_in_its_fill_leaves_the_llm_usable(
 
 
 def test_parallel_fill_equals_each_matchers_own(chat_ids):
-    """A fill split over xgrammar's threads writes exactly what each matcher fills alone."""
+    """A fill split over the filler's shares (its own threads) writes exactly what each
+    matcher fills alone, and learns the cost of a row from it."""
     import xgrammar as xgr
 
     from bastion.core.config import ModelConfig
@@ -276,7 +277,11 @@ def test_parallel_fill_equals_each_matchers_own(chat_ids):
     grammars[3].is_active = False  # a reasoning row before its start token: everything
     words = xgr.get_bitmask_shape(1, vocab_size)[1]
     got = np.zeros((20, words), dtype=np.int32)
-    BitmaskFiller(num_threads=2).fill(grammars, got)  # 20 rows: split over its threads
+    filler = BitmaskFiller(num_threads=2)
+    filler.row_us = 1000.0  # as if rows had been slow: the 20 rows are split in two
+    filler.fill(grammars, got)
+    assert filler.last_shares == 2 and filler.row_us > 0
+    filler.close()
     expected = np.empty_like(got)
     for i, g in enumerate(grammars):
         if g.is_active:
@@ -285,6 +290,22 @@ def test_parallel_fill_equals_each_matchers_own(chat_ids):
             expected[i] = -1
     assert np.array_equal(got, expected)
     assert not np.array_equal(got[0], got[2])  # the states differ, so do the rows
+
+
+def test_fill_shares_follow_the_expected_cost():
+    """A fill is split only when it has 8 rows or more and is expected to take 0.2 ms or more
+    on one thread, into shares of at least 0.1 ms, at most one per thread and per two rows;
+    a filler of one thread never splits."""
+    filler = BitmaskFiller(num_threads=4)
+    filler.row_us = 5.0  # cheap rows (greedy JSON): 32 rows are 0.16 ms, one thread
+    assert filler.shares(32) == 1
+    filler.row_us = 50.0  # rows at a temperature
+    assert [filler.shares(n) for n in (4, 7, 8, 32, 64)] == [1, 1, 4, 4, 4]
+    filler.row_us = 26.0  # 8 rows: 0.208 ms, two shares of 0.1 ms
+    assert filler.shares(8) == 2
+    single = BitmaskFiller(num_threads=1)
+    single.row_us = 1000.0
+    assert single.shares(64) == 1
 
 
 @pytest.fixture(scope="module")

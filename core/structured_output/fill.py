@@ -1,43 +1,53 @@
 """Filling a step's next-token bitmask from its rows' matchers (TP rank 0's worker, while the
 device runs the step's forward).
 
-xgrammar's batch fill runs in C++ with the GIL released, on one thread by default. Asked for
-more (``BASTION_GRAMMAR_FILL_THREADS``), a fill of ``_PARALLEL_MIN_ROWS`` rows or more is split
-over xgrammar's threads, which it starts anew for every call: on an H200 host, 8 of them made a
-32-row fill 1.15 ms against 0.12 ms on one thread (session 22).
+xgrammar fills in C++ with the GIL released. A fill costs from a few microseconds a row (greedy
+rows of a JSON schema, mostly in states xgrammar has cached) to about 100 (rows sampled at a
+temperature, deep in strings and arrays): 32 such rows took 1.5 ms on one thread, longer than
+an H200's decode step (docs/BENCHMARKS.md, session 25). So a fill whose rows are expected to
+cost more than ``_PARALLEL_MIN_US`` in all is split, rows interleaved, over
+``BASTION_GRAMMAR_FILL_THREADS`` shares: the calling thread fills one and threads that live as
+long as the filler the others (xgrammar's own parallel fill starts its threads anew for every
+call: 8 of them made a cheap 32-row fill 1.15 ms against 0.12 ms on one, session 22). The cost
+a row is learnt from the fills before.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from bastion import envs
 
-# Rows from which one fill is split over xgrammar's threads (fewer are not worth starting them:
-# xgrammar starts its threads anew for every call, tens of microseconds each).
-_PARALLEL_MIN_ROWS = 16
+# A fill is split only when it has this many rows and is expected to take this long on one
+# thread; each share gets at least _MIN_SHARE_US of expected work (a hand-off costs tens of us).
+_PARALLEL_MIN_ROWS = 8
+_PARALLEL_MIN_US = 200.0
+_MIN_SHARE_US = 100.0
 
 
 def default_fill_threads() -> int:
-    """Threads of one parallel fill: half the cores this process may run on, at most 8.
-
-    NOTE: xgrammar's own default ("auto") is half of ``std::thread::hardware_concurrency``, the
-    host's CPU count even in a container limited to a few of them, and it starts that many
-    threads on every call."""
+    """Shares of one split fill: half the cores this process may run on, at most 8 (one on
+    a two-core machine: no split)."""
     return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 class BitmaskFiller:
-    """Fills bitmasks through xgrammar's batch API (``num_threads`` threads for a large one)."""
+    """Fills bitmasks through xgrammar's batch API, split over ``num_threads`` shares when a
+    fill is expected to be long."""
 
     def __init__(self, num_threads: int | None = None) -> None:
         self.num_threads = (num_threads or envs.get("BASTION_GRAMMAR_FILL_THREADS")
                             or default_fill_threads())
-        self._serial: Any = None  # xgrammar BatchGrammarMatcher(1) / (num_threads), on first use
-        self._parallel: Any = None
+        self._matchers: list[Any] = []  # xgrammar BatchGrammarMatcher(1) per share, on first use
+        self._pool: ThreadPoolExecutor | None = None
+        self.row_us = 0.0  # one row's fill, microseconds on one thread (learnt)
+        self.last_shares = 0
 
     def fill(self, grammars: list[Any], bitmask: np.ndarray) -> None:
         """Row ``i`` of ``bitmask`` (int32 ``[len(grammars), words]``): what ``grammars[i]``
@@ -46,17 +56,47 @@ class BitmaskFiller:
         active = [i for i, g in enumerate(grammars) if g.is_active]
         if len(active) < len(grammars):
             bitmask.fill(-1)
-        if active:
-            self._batch_matcher(len(active)).batch_fill_next_token_bitmask(
-                [grammars[i].matcher for i in active], bitmask, active)
+        if not active:
+            return
+        matchers = [grammars[i].matcher for i in active]
+        shares = self.last_shares = self.shares(len(active))
+        pool = self._thread_pool() if shares > 1 else None
+        futures = [pool.submit(self._fill_share, k, matchers[k::shares], bitmask,
+                               active[k::shares]) for k in range(1, shares)] if pool else []
+        spent = self._fill_share(0, matchers[::shares], bitmask, active[::shares])
+        spent += sum(f.result() for f in futures)
+        self.row_us = spent * 1e6 / len(active)
 
-    def _batch_matcher(self, num_rows: int) -> Any:
+    def shares(self, num_rows: int) -> int:
+        """How many shares a fill of ``num_rows`` rows is split into."""
+        expected = self.row_us * num_rows
+        if self.num_threads < 2 or num_rows < _PARALLEL_MIN_ROWS or expected < _PARALLEL_MIN_US:
+            return 1
+        return max(1, min(self.num_threads, num_rows // 2, math.floor(expected / _MIN_SHARE_US)))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def _fill_share(self, share: int, matchers: list[Any], bitmask: np.ndarray,
+                    rows: list[int]) -> float:
+        """Fills ``rows``; returns the seconds it took on this thread."""
+        start = time.perf_counter()
+        self._matcher(share).batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return time.perf_counter() - start
+
+    def _matcher(self, share: int) -> Any:
         import xgrammar as xgr
 
-        if num_rows >= _PARALLEL_MIN_ROWS and self.num_threads > 1:
-            if self._parallel is None:
-                self._parallel = xgr.BatchGrammarMatcher(self.num_threads)
-            return self._parallel
-        if self._serial is None:
-            self._serial = xgr.BatchGrammarMatcher(1)
-        return self._serial
+        while len(self._matchers) <= share:
+            self._matchers.append(xgr.BatchGrammarMatcher(1))
+        return self._matchers[share]
+
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            for share in range(self.num_threads):  # created here, not raced for by the shares
+                self._matcher(share)
+            self._pool = ThreadPoolExecutor(self.num_threads - 1,
+                                            thread_name_prefix="bastion-grammar-fill")
+        return self._pool
