@@ -78,10 +78,11 @@ VARIABLES: dict[str, EnvVar] = {
         "rounding), 1 to int8 (llama.cpp's scheme; faster, but the embedded model's decode "
         "logprobs then move past tests/test_quantized.py's bound)"),
     "BASTION_GRAMMAR_FILL_THREADS": EnvVar(
-        0, _count, "shares a bitmask fill expected to take over 0.2 ms on one thread is split "
+        1, _count, "shares a bitmask fill expected to take over 0.2 ms on one thread is split "
         "into (rows interleaved; the calling thread and threads that live as long as the worker; "
-        "core/structured_output/fill.py); 1: every fill on one thread; 0 (default): half the "
-        "cores the worker may run on, at most 8"),
+        "core/structured_output/fill.py); 1 (default, until measured on a GPU host: a share's "
+        "thread takes the GIL from the runner's, session 22): every fill on one thread; 0: "
+        "half the cores the worker may run on, at most 8"),
     "BASTION_LORA_SIDE_STREAM": EnvVar(
         True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
         "in captured graphs (core/lora/layers.py)"),

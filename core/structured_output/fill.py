@@ -6,8 +6,10 @@ rows of a JSON schema, mostly in states xgrammar has cached) to about 100 (rows 
 temperature, deep in strings and arrays): 32 such rows took 1.5 ms on one thread, longer than
 an H200's decode step (docs/BENCHMARKS.md, session 25). So a fill whose rows are expected to
 cost more than ``_PARALLEL_MIN_US`` in all is split, rows interleaved, over
-``BASTION_GRAMMAR_FILL_THREADS`` shares: the calling thread fills one and threads that live as
-long as the filler the others (xgrammar's own parallel fill starts its threads anew for every
+``BASTION_GRAMMAR_FILL_THREADS`` shares (one by default: each share's thread takes the GIL
+from the runner's thread to start and to end, which session 22 found costly, so the split waits
+for a measurement on a GPU host): the calling thread fills one and threads that live as long as
+the filler the others (xgrammar's own parallel fill starts its threads anew for every
 call: 8 of them made a cheap 32-row fill 1.15 ms against 0.12 ms on one, session 22). The cost
 a row is learnt from the fills before.
 """
