@@ -1,10 +1,11 @@
 """Filling a step's next-token bitmask from its rows' matchers (TP rank 0's worker, while the
 device runs the step's forward).
 
-xgrammar fills in C++ with the GIL released. A fill costs from a few microseconds a row (greedy
-rows of a JSON schema, mostly in states xgrammar has cached) to about 100 (rows sampled at a
-temperature, deep in strings and arrays): 32 such rows took 1.5 ms on one thread, longer than
-an H200's decode step (docs/BENCHMARKS.md, session 25). So a fill whose rows are expected to
+xgrammar fills in C++ with the GIL released. A fill costs from a few microseconds a row to
+tens: 32 rows of a JSON schema deep in strings and arrays took 0.12 ms on one thread with the
+tokenizer's 49,152 tokens and 2.4 ms with the same states under a model vocabulary padded to
+151,936 (the GPU benchmarks' stand-in), longer than an H200's decode step (docs/BENCHMARKS.md,
+session 25; ``scripts/bench_grammar_fill.py``). So a fill whose rows are expected to
 cost more than ``_PARALLEL_MIN_US`` in all is split, rows interleaved, over
 ``BASTION_GRAMMAR_FILL_THREADS`` shares (one by default: each share's thread takes the GIL
 from the runner's thread to start and to end, which session 22 found costly, so the split waits
