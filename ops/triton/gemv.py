@@ -109,8 +109,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     prefetch = use_prefetch(x.device, weight.numel() * weight.element_size())
     if prefetch and m == 1 and k <= WHOLE_K_MAX and envs.get("BASTION_GEMV_WHOLE_K"):
         # The kernel reads its first K step before the wait: with that step the whole of K,
-        # each program holds its whole weight tile in registers by the time the kernel before
-        # it ends, and after the wait reads only x (A/B switch; see envs).
+        # each program asks for its whole weight tile (into registers) while the kernel before
+        # it runs, and after the wait reads only x (A/B switch; see envs).
         bk = triton.next_power_of_2(k)
         bn = max(1, min(bn, WHOLE_K_TILE_BYTES // (bk * weight.element_size())))
         prefetch = False
