@@ -6,7 +6,7 @@ cache helps least), then the fill of all of them is timed with each share count 
 ideal (one thread's time over the shares) and xgrammar's own parallel batch fill:
 
     python scripts/bench_grammar_fill.py --tokenizer .whl/qwen3tok --rows 32 --steps 12 \
-        [--vocab-size 151936]
+        [--vocab-size 151936 [--fill-with pairs]]
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer folder")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="the model's vocabulary, when wider than the tokenizer's (the ids past "
-                        "it are padding, as the GPU benchmarks' stand-in vocabulary has)")
+                   help="the model's vocabulary, when wider than the tokenizer's")
+    p.add_argument("--fill-with", choices=("padding", "pairs"), default="padding",
+                   help="what the ids past the tokenizer's are: padding (xgrammar's special "
+                        "tokens, never allowed) or seeded pairs of its tokens "
+                        "(bench_structured.py's stand-in vocabulary, as wide as Qwen3's)")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--steps", type=int, default=12, help="tokens each row is walked through")
     p.add_argument("--shares", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -49,7 +52,11 @@ def main() -> int:
     args = p.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=args.vocab_size)
+    if args.fill_with == "pairs" and args.vocab_size:
+        from bench_structured import stand_in_vocabulary
+        info = stand_in_vocabulary(args.vocab_size, args.tokenizer)
+    else:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=args.vocab_size)
     compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(SCHEMA))
     words = xgr.get_bitmask_shape(1, info.vocab_size)[1]
     bitmask = np.zeros((args.rows, words), dtype=np.int32)
@@ -73,7 +80,8 @@ def main() -> int:
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e3
 
-    print(f"{args.rows} rows, {args.steps} random tokens in, vocabulary {info.vocab_size}, "
+    print(f"{args.rows} rows, {args.steps} random tokens in, vocabulary {info.vocab_size} "
+          f"({len(tokenizer)} of the tokenizer's, the rest {args.fill_with}), "
           f"{len(os.sched_getaffinity(0))} cores")
     print(f"{'shares':>6} | {'fill ms':>8} | {'ideal ms':>8} | of ideal")
     one = None

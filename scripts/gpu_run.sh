@@ -36,8 +36,9 @@
 # latency alone, with the shrink on its side stream and without), structured
 # (bench_structured.py: step time with every request under one JSON schema against none, batch
 # 1/32/128, Qwen3-0.6B architecture, dummy weights; $STRUCT_ARGS e.g. "--executor mp"),
-# grammarfill (one step's bitmask fill of 32 rows on one thread and split over 2/4/8 shares,
-# the stand-in tokenizer's own vocabulary and padded to Qwen3's), serve
+# grammarfill (one step's bitmask fill of 32 rows on one thread, split over 2/4/8 shares and
+# on xgrammar's own 2/4/8 threads; the stand-in tokenizer's vocabulary, then structured's
+# stand-in as wide as Qwen3's), serve
 # (bench_serve.py at rate inf and two finite rates, 1000 prompts of 1024 in / 128 out, against
 # the embedded model).
 #
@@ -200,8 +201,8 @@ for s in $STAGES; do
       scripts/bench_moe.py --model configs/qwen3-30b-a3b --latency --batch-sizes 1 \
       --census-batch 8 ${MOE_ARGS:-}; done" ;;
     grammarfill) stage grammarfill 120 'rows|shares|^ +[0-9]+ \||xgrammar|Error' -- bash -c \
-      "for v in 49152 151936; do $PY scripts/bench_grammar_fill.py --tokenizer .whl/qwen3tok \
-      --vocab-size \$v --shares 1 2 4 8; done" ;;
+      "for v in '' '--vocab-size 151936 --fill-with pairs'; do $PY scripts/bench_grammar_fill.py \
+      --tokenizer .whl/qwen3tok \$v --shares 1 2 4 8 --iters 200; done" ;;
     floor) stage floor 40 'floor|Error' -- \
       $PY scripts/bench_latency.py --model $QWEN --offline-floor ;;
     hf) stage hf 120 'workload|bastion|HF|ratio|Error' -- \

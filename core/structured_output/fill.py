@@ -2,10 +2,10 @@
 device runs the step's forward).
 
 xgrammar fills in C++ with the GIL released. A fill costs from a few microseconds a row to
-tens: 32 rows of a JSON schema deep in strings and arrays took 0.12 ms on one thread with the
-tokenizer's 49,152 tokens and 2.4 ms with the same states under a model vocabulary padded to
-151,936 (the GPU benchmarks' stand-in), longer than an H200's decode step (docs/BENCHMARKS.md,
-session 25; ``scripts/bench_grammar_fill.py``). So a fill whose rows are expected to
+tens, growing with the vocabulary: 32 rows of a JSON schema deep in strings and arrays took
+0.12 ms on one thread with 49,152 tokens and 0.8-1.3 ms with 151,936 (Qwen3's width), about
+an H200's whole decode step at batch 32 (docs/BENCHMARKS.md, session 25;
+``scripts/bench_grammar_fill.py``). So a fill whose rows are expected to
 cost more than ``_PARALLEL_MIN_US`` in all is split, rows interleaved, over
 ``BASTION_GRAMMAR_FILL_THREADS`` shares (one by default: each share's thread takes the GIL
 from the runner's thread to start and to end, which session 22 found costly, so the split waits
