@@ -42,6 +42,19 @@ def _text(value: str) -> str:
     return value.strip()
 
 
+def _moe_tiles(value: str) -> dict[str, dict[str, int]]:
+    """'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...' -> {part: tile}, either part."""
+    keys = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages")
+    tiles = {}
+    for part in filter(None, value.split(";")):
+        name, _, fields = part.partition("=")
+        numbers = fields.split(",")
+        if name.strip() not in ("up", "down") or len(numbers) != len(keys):
+            raise ValueError("want 'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...'")
+        tiles[name.strip()] = dict(zip(keys, map(int, numbers)))
+    return tiles
+
+
 VARIABLES: dict[str, EnvVar] = {
     "BASTION_CACHE_DIR": EnvVar(
         None, _text, "where converted GGUF weights and other caches live (default "
@@ -104,7 +117,7 @@ VARIABLES: dict[str, EnvVar] = {
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),
     "BASTION_MOE_GEMV_CONFIG": EnvVar(
-        "", _text, "the MoE matrix-vector kernels' tiles instead of the tuned table's: "
+        {}, _moe_tiles, "the MoE matrix-vector kernels' tiles instead of the tuned table's: "
         "'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...' (either part; A/B runs)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "

@@ -197,14 +197,5 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 
 def _tiles(config: dict) -> tuple[dict, dict]:
     """The up and down tiles: the tuned table's, or ``BASTION_MOE_GEMV_CONFIG``'s."""
-    tiles = {"up": config["up"], "down": config["down"]}
-    raw = envs.get("BASTION_MOE_GEMV_CONFIG")
-    for part in filter(None, raw.split(";")):
-        name, _, values = part.partition("=")
-        fields = values.split(",")
-        if name.strip() not in tiles or len(fields) != 4:
-            raise ValueError(f"BASTION_MOE_GEMV_CONFIG={raw!r}: want "
-                             "'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...'")
-        keys = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages")
-        tiles[name.strip()] = dict(zip(keys, map(int, fields)))
-    return tiles["up"], tiles["down"]
+    tiles = envs.get("BASTION_MOE_GEMV_CONFIG")
+    return tiles.get("up", config["up"]), tiles.get("down", config["down"])
