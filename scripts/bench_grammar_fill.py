@@ -71,37 +71,36 @@ def main() -> int:
                 break
             assert g.matcher.accept_token(int(rng.choice(allowed)))
 
-    def timed(fill) -> float:
-        fill()
+    def timed(fill, *fill_args) -> float:
+        fill(*fill_args)
         times = []
         for _ in range(args.iters):
             start = time.perf_counter()
-            fill()
+            fill(*fill_args)
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e3
+
+    def split_fill(filler: BitmaskFiller) -> None:
+        filler.row_us = 1e9  # as if rows were slow: split as far as the shares go
+        filler.fill(grammars, bitmask)
 
     print(f"{args.rows} rows, {args.steps} random tokens in, vocabulary {info.vocab_size} "
           f"({len(tokenizer)} of the tokenizer's, the rest {args.fill_with}), "
           f"{len(os.sched_getaffinity(0))} cores")
     print(f"{'shares':>6} | {'fill ms':>8} | {'ideal ms':>8} | of ideal")
     one = None
-    for shares in args.shares:
+    for shares in sorted(set(args.shares) | {1}):  # one thread first: the ideal's base
         filler = BitmaskFiller(num_threads=shares)
-
-        def split_fill() -> None:
-            filler.row_us = 1e9  # as if rows were slow: split as far as the shares go
-            filler.fill(grammars, bitmask)
-
-        ms = timed(split_fill)
+        ms = timed(split_fill, filler)
         assert filler.last_shares == min(shares, args.rows // 2)
         filler.close()
         one = ms if one is None else one
         ideal = one / shares
         print(f"{shares:>6} | {ms:>8.3f} | {ideal:>8.3f} | {ideal / ms:.0%}")
     matchers, rows = [g.matcher for g in grammars], list(range(args.rows))
-    for threads in args.shares[1:]:
+    for threads in sorted(set(args.shares) - {1}):
         batch = xgr.BatchGrammarMatcher(threads)
-        ms = timed(lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask, rows))
+        ms = timed(batch.batch_fill_next_token_bitmask, matchers, bitmask, rows)
         print(f"xgrammar's BatchGrammarMatcher({threads}): {ms:.3f} ms")
     return 0
 
