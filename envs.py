@@ -91,11 +91,10 @@ VARIABLES: dict[str, EnvVar] = {
         "rounding), 1 to int8 (llama.cpp's scheme; faster, but the embedded model's decode "
         "logprobs then move past tests/test_quantized.py's bound)"),
     "BASTION_GRAMMAR_FILL_THREADS": EnvVar(
-        1, _count, "shares a bitmask fill expected to take over 0.2 ms on one thread is split "
+        0, _count, "shares a bitmask fill expected to take over 0.2 ms on one thread is split "
         "into (rows interleaved; the calling thread and threads that live as long as the worker; "
-        "core/structured_output/fill.py); 1 (default, until measured on a GPU host: a share's "
-        "thread takes the GIL from the runner's, session 22): every fill on one thread; 0: "
-        "half the cores the worker may run on, at most 8"),
+        "core/structured_output/fill.py); 0 (default): two where the worker may run on four "
+        "cores or more, else one; 1: every fill on one thread"),
     "BASTION_LORA_SIDE_STREAM": EnvVar(
         True, _flag, "0: a LoRA layer's shrink runs after its base matmul on the same stream "
         "in captured graphs (core/lora/layers.py)"),
@@ -110,9 +109,9 @@ VARIABLES: dict[str, EnvVar] = {
         True, _flag, "0: the decode step's matrix-vector kernels (and the MoE down kernel) do "
         "not prefetch their weight tiles into L2 before their wait (ops/triton/pdl.py)"),
     "BASTION_GEMV_WHOLE_K": EnvVar(
-        False, _flag, "1: a one-row matrix-vector product whose weights would be prefetched "
-        "into L2 (ops/triton/pdl.py) instead reads its whole weight tile (K up to 4096, 32 KB a "
-        "program) into registers before its wait (A/B runs; not yet measured on a GPU)"),
+        True, _flag, "0: a one-row matrix-vector product whose weights fit L2 prefetches them "
+        "there and walks K in steps after its wait, instead of reading its whole weight tile "
+        "(K up to 4096, 32 KB a program) into registers before the wait (A/B runs)"),
     "BASTION_MOE_DOWN_PREFETCH": EnvVar(
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),

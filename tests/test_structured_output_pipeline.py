@@ -308,6 +308,18 @@ def test_fill_shares_follow_the_expected_cost():
     assert single.shares(64) == 1
 
 
+def test_fill_threads_default_two_from_four_cores(monkeypatch: pytest.MonkeyPatch):
+    """Two shares by default (the H200 host's measurement), one on fewer than four cores;
+    ``BASTION_GRAMMAR_FILL_THREADS`` overrides."""
+    from bastion.core.structured_output import fill
+
+    for cores, threads in ((16, 2), (4, 2), (3, 1), (2, 1)):
+        monkeypatch.setattr(fill.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert BitmaskFiller().num_threads == threads
+    monkeypatch.setenv("BASTION_GRAMMAR_FILL_THREADS", "4")
+    assert BitmaskFiller().num_threads == 4
+
+
 @pytest.fixture(scope="module")
 def yes_or_no():
     """The embedded model's tokenizer and a grammar compiled for it that takes "yes" or "no"."""

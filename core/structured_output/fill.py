@@ -7,12 +7,16 @@ tens, growing with the vocabulary: 32 rows of a JSON schema deep in strings and 
 an H200's whole decode step at batch 32 (docs/BENCHMARKS.md, session 25;
 ``scripts/bench_grammar_fill.py``). So a fill whose rows are expected to
 cost more than ``_PARALLEL_MIN_US`` in all is split, rows interleaved, over
-``BASTION_GRAMMAR_FILL_THREADS`` shares (one by default: each share's thread takes the GIL
-from the runner's thread to start and to end, which session 22 found costly, so the split waits
-for a measurement on a GPU host): the calling thread fills one and threads that live as long as
-the filler the others (xgrammar's own parallel fill starts its threads anew for every
-call: 8 of them made a cheap 32-row fill 1.15 ms against 0.12 ms on one, session 22). The cost
-a row is learnt from the fills before.
+``BASTION_GRAMMAR_FILL_THREADS`` shares (by default two, one on fewer than four cores): the
+calling thread fills one and threads that live as long as the filler the others (xgrammar's own
+parallel fill starts its threads anew for every call: 8 of them made a cheap 32-row fill 1.15 ms
+against 0.12 ms on one, session 22). The cost a row is learnt from the fills before.
+
+Why two (session 26, an H200 host's 16 cores, ``scripts/bench_grammar_fill.py``): 32 rows with
+Qwen3's width filled in 1.10 ms on one thread, 0.66 on two shares, 0.70 on four and 0.66 on
+eight (each share's thread takes the GIL from the runner's to start and to end); in the engine
+(``bench_structured.py --executor mp``, batch 32 at temperature 0.8) JSON steps cost +35/+26 %
+over unconstrained ones with two shares against +66/+54 % with one.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ _MIN_SHARE_US = 100.0
 
 
 def default_fill_threads() -> int:
-    """Shares of one split fill: half the cores this process may run on, at most 8 (one on
-    a two-core machine: no split)."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    """Shares of one split fill: two, or one (no split) where this process may run on fewer
+    than four cores (the forward of a CPU device needs them)."""
+    return 2 if len(os.sched_getaffinity(0)) >= 4 else 1
 
 
 class BitmaskFiller:
