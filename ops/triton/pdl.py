@@ -14,9 +14,10 @@ When a kernel lets the one after it launch is what the chain can prefetch across
   early, and its pre-wait reads of the outputs of the kernel *two* before it are safe;
 - early (the default): every kernel lets the next launch as it starts (``release_early``), so
   the grids of a run of short kernels start together and each weight-bound kernel among them
-  whose weights fit well inside L2 pulls its whole weight tile there (``prefetch_l2``) while
-  the latency-bound ones before it run: Qwen3-30B-A3B's o-projection (17 MB) while rotary and
-  attention run, the next layer's QKV while the experts stream. Only the MoE up kernel
+  whose weights fit well inside L2 reads its whole weight tile while the latency-bound ones
+  before it run: Qwen3-30B-A3B's o-projection (17 MB) while rotary and attention run, the
+  next layer's QKV while the experts stream (into registers when one row's K is at most
+  4096, ``ops/triton/gemv.py``; else into L2, ``prefetch_l2``). Only the MoE up kernel
   releases late: the down kernel after it reads the routing's ids before its wait. A kernel
   released early therefore reads nothing before its wait but weights and the step's staged
   metadata (written before the graph runs);
