@@ -19,8 +19,10 @@ from bastion.ops.triton.pdl import (prefetch_l2, prefetch_lanes, release_early, 
                                    use_prefetch, wait_for_previous)
 
 
-# BASTION_GEMV_WHOLE_K: a program's weight tile in one K step, at most this many bytes (64
-# registers a thread at 4 warps), for K up to WHOLE_K_MAX.
+# BASTION_GEMV_WHOLE_K: a program's weight tile in one K step, at most this many bytes, for K
+# up to WHOLE_K_MAX. The bf16 tile alone is 64 registers a thread at 4 warps; with its float32
+# products the kernel takes about 245 (Triton 3.9 for sm_90, session 26), so 2 programs fit a
+# SM and only part of a large product's weights is read before the wait.
 WHOLE_K_TILE_BYTES = 32 * 1024
 WHOLE_K_MAX = 4096
 
