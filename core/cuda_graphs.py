@@ -284,6 +284,17 @@ class CUDAGraphRunner:
     def pool(self) -> object | None:
         return self._pool
 
+    def recapture(self) -> None:
+        """Capture the forward graphs again into the same pool (each new one replaces its old
+        one), then the plain sampling graphs behind them if there were any (they read the
+        forward graphs' logits), so that an in-process A/B benchmark's switches read at launch
+        (``bastion.envs``) take effect."""
+        had_sampling = bool(self._samplers)
+        self.capture(pool=self._pool)
+        if had_sampling:
+            self._samplers.clear()
+            self.capture_sampling(with_mask=self.mask_target is not None)
+
     def run(self, inputs: DecodeInputs, min_size: int = 0, logits: bool = False) -> torch.Tensor:
         """Hidden states [b * q, H] of one decode step (graph replay when captured), or with
         ``logits`` (a runner built with a head) its logits [b * q, vocab]. Rows with

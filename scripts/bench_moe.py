@@ -16,6 +16,14 @@ then all sequences decoding together, as many steps as the longest output.
 Latency prints the whole batch against its floor, and the decode step alone: (the batch's time
 less a run of the same prompts with one output token) over the 127 decode steps, against one
 decode step's floor (issue #18's batch-1 target is about that step).
+
+    python scripts/bench_moe.py --variants BASTION_GEMV_WHOLE_K=0 BASTION_GEMV_WHOLE_K=1 --rounds 3
+
+compares switches read at launch (``bastion.envs``; several in one variant joined by ``+``)
+in one process: the engine starts once, for a batch of one sequence, and every round sets each
+variant in turn, captures the decode graphs again and times the batch (min ms of
+``--num-iters``), so that a variant costs seconds instead of a process start (about 25 s).
+``--timeline`` adds each variant's layer timeline (one profiled batch).
 """
 
 from __future__ import annotations
@@ -178,6 +186,86 @@ def profile_decode(llm, batch: int) -> None:
         print(f"no layer timeline: {exc}")
 
 
+def parse_variant(variant: str) -> dict[str, str]:
+    """'A=1+B=x' -> {'A': '1', 'B': 'x'}; 'base' -> {}."""
+    if variant == "base":
+        return {}
+    pairs = [part.partition("=") for part in variant.split("+")]
+    if any(not name or not sep for name, sep, _ in pairs):
+        raise SystemExit(f"a variant is NAME=VALUE[+NAME=VALUE...] or 'base'; got {variant!r}")
+    return {name: value for name, _, value in pairs}
+
+
+def time_batch(llm, prompts: list[dict], max_tokens: int, iters: int
+               ) -> tuple[list[float], list[list[int]]]:
+    """Seconds of ``iters`` runs of ``prompts`` (after one warm-up), prefix cache reset each,
+    and the tokens of the last."""
+    from bastion import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    times = []
+    for i in range(iters + 1):
+        llm.engine.scheduler.kv.pool.reset_prefix_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return times, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def compare_variants(args) -> int:
+    """``--variants``: one engine, the decode graphs captured again for every variant, batch 1
+    (32 in / 128 out) timed in rounds; the step figure is from the minima, as ``--latency``."""
+    from bastion import LLM
+
+    variants = [(v, parse_variant(v)) for v in args.variants]
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=2304, max_num_seqs=1, max_num_batched_tokens=16384)
+    graphs = llm.engine.executor.runner.graph_runner
+    if graphs is None:
+        raise SystemExit("--variants needs the decode CUDA graphs (a GPU, not --enforce-eager)")
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(10000) for _ in range(32)]}]
+    base_env = dict(os.environ)
+    best: dict[str, list[float]] = {v: [] for v, _ in variants}
+    tokens: dict[str, list[list[int]]] = {}
+    prefill: list[float] = []
+    for r in range(args.rounds):
+        # Alternate the order, so that a drift over the run does not favour one variant.
+        for name, env in (variants if r % 2 == 0 else variants[::-1]):
+            os.environ.clear()
+            os.environ.update({**base_env, **env})
+            graphs.recapture()
+            times, tokens[name] = time_batch(llm, prompts, 128, args.num_iters)
+            best[name].append(min(times))
+            if args.timeline and r == 0:
+                print(f"timeline of {name}:")
+                profile_decode(llm, 1)
+        os.environ.clear()
+        os.environ.update(base_env)
+        graphs.recapture()
+        prefill.append(min(time_batch(llm, prompts, 1, args.num_iters)[0]))
+    mb = moe_bytes(args.model, torch.bfloat16)
+    q, _ = routing_census(llm, 1)
+    bw = copy_bandwidth()
+    step_floor = (mb.dense_per_step + touched(q, 1) * mb.per_expert) / bw
+    first = min(prefill)
+    print(f"\nbatch 1, 32 in / 128 out, min ms per batch of {args.num_iters} in each of "
+          f"{args.rounds} rounds; prefill + first token {first * 1e3:.1f} ms (min); decode step "
+          f"floor {step_floor * 1e3:.2f} ms at {bw / 1e12:.2f} TB/s")
+    print("variant | ms per batch by round | step ms (best) | x floor | tokens as the first "
+          "variant's")
+    first_tokens = tokens[variants[0][0]]
+    for name, times in best.items():
+        step = (min(times) - first) / 127
+        print(f"{name} | {' '.join(f'{t * 1e3:.1f}' for t in times)} | {step * 1e3:.3f} | "
+              f"{step / step_floor:.2f}x | "
+              f"{'same' if tokens[name] == first_tokens else 'DIFFERENT'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(REPO, "configs", "qwen3-30b-a3b"))
@@ -190,7 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--profile", type=int, nargs="*", default=[],
                    help="batch sizes to profile (32 in / 16 out): device time per kernel")
+    p.add_argument("--variants", nargs="+", default=[],
+                   help="in-process A/B at batch 1: NAME=VALUE[+NAME=VALUE...] each, or 'base'")
+    p.add_argument("--rounds", type=int, default=2, help="rounds over --variants")
+    p.add_argument("--timeline", action="store_true",
+                   help="with --variants: each variant's layer timeline in the first round")
     args = p.parse_args(argv)
+    if args.variants:
+        return compare_variants(args)
     if not (args.latency or args.offline):
         args.latency = args.offline = True
     from bastion import LLM, SamplingParams

@@ -25,7 +25,10 @@
 # kernels' launch configs for Qwen3-30B-A3B, JSON to $OUT; $MOE_TUNE_ARGS e.g. "--tokens 1 2
 # --update --install"), moe (Qwen3-30B-A3B architecture: offline throughput and batch-1/8
 # latency beside their floors; $MOE_ARGS e.g. --latency, $MOE_PROFILE batch sizes to
-# profile; moeenv: batch-1 latency once per environment assignment in $MOE_ENVS, as offenv),
+# profile; moeenv: batch-1 latency once per environment assignment in $MOE_ENVS, as offenv;
+# moevariants: the same in one process, the decode graphs captured again per variant in
+# $MOE_VARIANTS, in rounds, e.g. MOE_ARGS="--rounds 3 --num-iters 10 --timeline"; moelayout:
+# the batch-1 expert kernels alone over the weights as stored and tiled, beside a stream),
 # gemvtune (the decode-rows matmul: cuBLAS against ops/triton/gemv.py's tiles for
 # the benchmarked models' linear shapes, beside the floor), specbench (a speculative verify
 # step with k = 2, 4 against a decode step, Llama-3.1-8B architecture, batch 1/8/32),
@@ -195,6 +198,11 @@ for s in $STAGES; do
       $PY scripts/tune_gemv.py ;;
     moe) stage moe 400 'offline|latency|experts reached|profile|^  +[0-9]|Error|error' -- \
       $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b --profile ${MOE_PROFILE:-} \
+      ${MOE_ARGS:-} ;;
+    moelayout) stage moelayout 300 'copy|kernel|[|]|Error|error' -- \
+      $PY scripts/bench_moe_layout.py ;;
+    moevariants) stage moevariants 560 'variant|batch 1|[|]|Error|error' -- \
+      $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b --variants ${MOE_VARIANTS:-base} \
       ${MOE_ARGS:-} ;;
     moeenv) stage moeenv 560 'environment|latency batch|Error|error' -- bash -c \
       "for e in ${MOE_ENVS:-BASTION_PDL=1}; do echo \"environment \$e\"; env \${e//+/ } $PY \

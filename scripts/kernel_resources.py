@@ -1,0 +1,160 @@
+"""Registers and spills of the decode kernels, compiled for an H100/H200 (sm_90) on a machine
+with no GPU: Triton lowers each kernel to PTX and the ptxas in its wheel to a cubin, whose
+resource usage cuobjdump reads. A kernel at 255 registers with a stack is spilling, and fewer
+programs fit a SM as registers grow; neither needs device time to see.
+
+    python scripts/kernel_resources.py               # Qwen3-30B-A3B's batch-1 decode kernels
+    python scripts/kernel_resources.py --ptx /tmp/p  # also each variant's PTX, to read loops
+
+Arguments are typed as a launch would type them (Triton's own specialisation: 16-byte aligned
+pointers, integers divisible by 16 marked so). Uses Triton internals (``ASTSource``,
+``native_specialize_impl``) as of Triton 3.9; the GPU host's Triton may allocate a few
+registers differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+
+class Ptr:
+    """A pointer argument to elements of ``dtype`` (Triton's name: bf16, fp32, i32)."""
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+def source(fn, args: dict, consts: dict):
+    """The kernel ``fn`` with non-constexpr ``args`` (Ptr or a sample value) and ``consts``
+    (parameters left out take their defaults)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import native_specialize_impl
+
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[(i,)] = consts.get(p.name, p.default)
+            continue
+        value = args.get(p.name, p.default)
+        if isinstance(value, Ptr):
+            kind, attr = "*" + value.dtype, "D"
+        else:
+            kind, attr = native_specialize_impl(BaseBackend, value, False,
+                                                not p.do_not_specialize,
+                                                not p.do_not_specialize_on_alignment)
+        signature[p.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = attr
+        elif isinstance(attr, str) and attr:
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) a thread of the cubin's kernel uses."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    if found is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {out[:200]}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def variants() -> list[tuple[str, object, dict, dict, dict]]:
+    """(name, kernel, args, constexprs, options) at Qwen3-30B-A3B's batch-1 decode shapes."""
+    from bastion.ops.triton.fused_moe_gemv import _moe_gemv_down_kernel, _moe_gemv_up_kernel
+    from bastion.ops.triton.gemv import _gemv_kernel
+    from bastion.ops.triton.unified_attention import _unified_attention_kernel
+
+    pdl = {"launch_pdl": True}
+    up_args = {"x_ptr": Ptr("bf16"), "w13_ptr": Ptr("bf16"), "act_ptr": Ptr("bf16"),
+               "ids_ptr": Ptr("i32"), "expert_offset": 0, "num_local": 128, "N": 768,
+               "K": 2048, "stride_x": 2048, "stride_we": 1536 * 2048, "stride_wn": 2048,
+               "stride_act": 768}
+    down_args = {"act_ptr": Ptr("bf16"), "w2_ptr": Ptr("bf16"), "out_ptr": Ptr("bf16"),
+                 "ids_ptr": Ptr("i32"), "weights_ptr": Ptr("fp32"), "expert_offset": 0,
+                 "num_local": 128, "N": 2048, "K": 768, "stride_act": 768,
+                 "stride_we": 2048 * 768, "stride_wn": 768, "stride_out": 2048}
+    gemv_args = {"x_ptr": Ptr("bf16"), "w_ptr": Ptr("bf16"), "b_ptr": Ptr("bf16"),
+                 "y_ptr": Ptr("bf16"), "M": 1, "N": 2048, "K": 4096, "stride_xm": 4096,
+                 "stride_wn": 4096, "stride_ym": 2048}
+    attn_args = {"out_ptr": Ptr("bf16"), "part_out_ptr": Ptr("fp32"), "part_ml_ptr": Ptr("fp32"),
+                 "done_ptr": Ptr("i32"), "q_ptr": Ptr("bf16"), "k_cache_ptr": Ptr("bf16"),
+                 "v_cache_ptr": Ptr("bf16"), "block_tables_ptr": Ptr("i32"),
+                 "seq_lens_ptr": Ptr("i32"), "query_start_loc_ptr": Ptr("i32"),
+                 "scale_log2": 0.1275, "num_seqs": 1, "stride_q_t": 4096, "stride_q_h": 128,
+                 "stride_o_t": 4096, "stride_o_h": 128, "stride_k_blk": 8192,
+                 "stride_k_off": 512, "stride_k_h": 128, "stride_v_blk": 8192,
+                 "stride_v_off": 512, "stride_v_h": 128, "stride_bt": 2048}
+    attn = {"NUM_Q_PER_KV": 8, "BLOCK_Q": 1, "BLOCK_M": 16, "HEAD_DIM": 128, "HEAD_PAD": 128,
+            "TILE": 64, "KV_BLOCK_SIZE": 16, "IEEE_DOT": False, "DECODE": True,
+            "SKIP_DECODE_ROWS": False, "USE_PDL": 2, "NUM_SPLITS": 8, "FUSED_MERGE": True}
+    attn["BLOCK_Q"] = attn["BLOCK_M"] // attn["NUM_Q_PER_KV"]  # as the launcher's _block_q
+    out = [("moe up 8x128 (the tuned batch-1 tile: 8 warps, 2 stages)", _moe_gemv_up_kernel,
+            up_args, {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "USE_PDL": 2},
+            {"num_warps": 8, "num_stages": 2, **pdl}),
+           ("moe down 8x256 (4 warps, 2 stages)", _moe_gemv_down_kernel, down_args,
+            {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2,
+             "PREFETCH": True, "W_BYTES": 2, "LINES": 128},
+            {"num_warps": 4, "num_stages": 2, **pdl})]
+    gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
+            "W_BYTES": 2, "LINES": 128}
+    qkv_args = {**gemv_args, "N": 5120, "K": 2048, "stride_xm": 2048, "stride_wn": 2048,
+                "stride_ym": 5120}
+    for name, fn_args, block_n, block_k in (("o-proj", gemv_args, 4, 4096),
+                                            ("qkv", qkv_args, 8, 2048)):
+        out.append((f"gemv {name} whole K, {block_n} x {block_k}", _gemv_kernel, fn_args,
+                    {**gemv, "BLOCK_N": block_n, "BLOCK_K": block_k}, {"num_warps": 4, **pdl}))
+    out.append(("attention decode, 8 splits", _unified_attention_kernel, attn_args, attn,
+                {"num_warps": 4, "num_stages": 3, **pdl}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ptx", help="a folder for each variant's PTX")
+    args = p.parse_args(argv)
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    print(f"triton {triton.__version__}, sm_90; registers / stack bytes a thread")
+    failed = 0
+    for name, fn, fn_args, consts, options in variants():
+        try:
+            kernel = triton.compile(source(fn, fn_args, consts), target=target, options=options)
+        except Exception as exc:  # noqa: BLE001 - report every variant
+            failed += 1
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        regs, stack = resources(kernel.asm["cubin"])
+        ptx = kernel.asm["ptx"]
+        wide = len(re.findall(r"ld\.global[.\w:]*\.v4\.b32", ptx))
+        narrow = len(re.findall(r"ld\.global[.\w:]*\.b16", ptx))
+        threads = 32 * options["num_warps"]
+        per_sm = min(65536 // (regs * threads), 64 // options["num_warps"])
+        print(f"{name}: {regs} registers, {stack} B stack{' (spills)' if stack else ''}; "
+              f"{per_sm} programs a SM by registers and warps; loads in the PTX: {wide} of 16 "
+              f"bytes, {narrow} of 2")
+        if args.ptx:
+            os.makedirs(args.ptx, exist_ok=True)
+            with open(os.path.join(args.ptx, re.sub(r"\W+", "_", name) + ".ptx"), "w") as f:
+                f.write(ptx)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
