@@ -207,20 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         us = time_graph([lambda i=i: fn(i) for i in range(args.sets)], args.replays)
         rows.append((name, us, num_bytes / bw * 1e6, num_bytes / (us * 1e-6) / 1e12))
 
-    for bn, bk, warps in ((8, 128, 8), (4, 256, 8), (8, 256, 8), (16, 128, 8)):
-        wt = tile_up(w13, bn, bk)
-        up_std(bn, bk, warps)(0)
-        check(act, up_tiled(bn, bk, warps, wt), f"up {bn}x{bk}")
-        measure(f"up {bn}x{bk} {warps}w, rows as stored", up_std(bn, bk, warps), up_bytes)
-        measure(f"up {bn}x{bk} {warps}w, tiled", up_tiled(bn, bk, warps, wt), up_bytes)
-        del wt
-    for bn, bk, warps in ((8, 256, 4), (4, 256, 4), (8, 128, 4)):
-        wt = tile_down(w2, bn, bk)
-        down_std(bn, bk, warps)(0)
-        check(out, down_tiled(bn, bk, warps, wt), f"down {bn}x{bk}")
-        measure(f"down {bn}x{bk} {warps}w, rows as stored", down_std(bn, bk, warps), down_bytes)
-        measure(f"down {bn}x{bk} {warps}w, tiled", down_tiled(bn, bk, warps, wt), down_bytes)
-        del wt
+    parts = (("up", up_std, up_tiled, tile_up, w13, act, up_bytes,
+              ((8, 128, 8), (4, 256, 8), (8, 256, 8), (16, 128, 8))),
+             ("down", down_std, down_tiled, tile_down, w2, out, down_bytes,
+              ((8, 256, 4), (4, 256, 4), (8, 128, 4))))
+    for part, std, tiled, tile, w, result, num_bytes, tiles in parts:
+        for bn, bk, warps in tiles:
+            wt = tile(w, bn, bk)
+            std(bn, bk, warps)(0)
+            check(result, tiled(bn, bk, warps, wt), f"{part} {bn}x{bk}")
+            measure(f"{part} {bn}x{bk} {warps}w, rows as stored", std(bn, bk, warps), num_bytes)
+            measure(f"{part} {bn}x{bk} {warps}w, tiled", tiled(bn, bk, warps, wt), num_bytes)
+            del wt
     # The same bytes as one contiguous stream per program, in as many programs.
     src = torch.empty(args.sets * up_bytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     sums = torch.empty(top_k * inter // 8, device=dev)
