@@ -311,19 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch_sizes:
             prompts = [{"prompt_token_ids": [rng.randrange(10000) for _ in range(32)]}
                        for _ in range(batch)]
-            runs = {}
-            for max_tokens in (128, 1):  # the whole batch, and its prefill alone
-                params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-                times = []
-                for i in range(args.num_iters + 1):
-                    llm.engine.scheduler.kv.pool.reset_prefix_cache()
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    llm.generate(prompts, params)
-                    torch.cuda.synchronize()
-                    if i:  # the first is a warm-up
-                        times.append(time.perf_counter() - start)
-                runs[max_tokens] = times
+            # The whole batch, and its prefill alone.
+            runs = {n: time_batch(llm, prompts, n, args.num_iters)[0] for n in (128, 1)}
             latencies.append((batch, runs[128], runs[1]))
     for batch in args.profile:
         profile_decode(llm, batch)

@@ -20,11 +20,14 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import torch
 import triton
 import triton.language as tl
+from bench_latency import copy_bandwidth
 
 
 @triton.jit
@@ -105,20 +108,6 @@ def tile_down(w2: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return w2.view(e, h // bn, bn, i // bk, bk).permute(0, 1, 3, 2, 4).contiguous()
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) * 1e-3)
-
-
 def time_graph(launches, replays: int) -> float:
     """Microseconds per launch: ``launches`` (callables) captured in one graph, replayed."""
     for f in launches:
@@ -159,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = torch.full((1, top_k), 1.0 / top_k, device=dev)
     act = torch.empty(top_k, inter, device=dev, dtype=torch.bfloat16)
     out = torch.empty(1, h, device=dev, dtype=torch.bfloat16)
-    bw = copy_bandwidth(dev)
+    bw = copy_bandwidth()
     up_bytes = top_k * 2 * inter * h * 2
     down_bytes = top_k * h * inter * 2
     rows = []
