@@ -111,13 +111,14 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
              "PREFETCH": True, "W_BYTES": 2, "LINES": 128},
             {"num_warps": 4, "num_stages": 2, **pdl})]
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
-            "W_BYTES": 2, "LINES": 128}
+            "W_BYTES": 2, "LINES": 128, "ONE_ROW": True}
     qkv_args = {**gemv_args, "N": 5120, "K": 2048, "stride_xm": 2048, "stride_wn": 2048,
                 "stride_ym": 5120}
     for name, fn_args, block_n, block_k in (("o-proj", gemv_args, 4, 4096),
                                             ("qkv", qkv_args, 8, 2048)):
         out.append((f"gemv {name} whole K, {block_n} x {block_k}", _gemv_kernel, fn_args,
-                    {**gemv, "BLOCK_N": block_n, "BLOCK_K": block_k}, {"num_warps": 4, **pdl}))
+                    {**gemv, "BLOCK_N": block_n, "BLOCK_K": block_k, "WHOLE_K": True},
+                    {"num_warps": 4, **pdl}))
     out.append(("attention decode, 8 splits", _unified_attention_kernel, attn_args, attn,
                 {"num_warps": 4, "num_stages": 3, **pdl}))
     return out

@@ -773,11 +773,16 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
+@pytest.mark.parametrize("one_row", ["1", "0"])
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [
-    (1, 40, 96, 32, False), (2, 37, 80, 32, True), (3, 16, 64, 64, False), (4, 9, 100, 64, True)])
-def test_gemv_matches_linear(rows: int, n: int, k: int, block_k: int, bias: bool) -> None:
+    (1, 40, 96, 32, False), (1, 37, 100, 32, True), (2, 37, 80, 32, True), (3, 16, 64, 64, False),
+    (4, 9, 100, 64, True)])
+def test_gemv_matches_linear(monkeypatch: pytest.MonkeyPatch, rows: int, n: int, k: int,
+                             block_k: int, bias: bool, one_row: str) -> None:
     """The decode-rows matmul: column tiles past N, K not a multiple of the tile (the masked
-    loop) and exact multiples (the unmasked one), a bias, a float32 output."""
+    loop) and exact multiples (the unmasked one), a bias, a float32 output; one row through
+    its own [N, K] products and (``BASTION_GEMV_ONE_ROW=0``) through the general kernel."""
+    monkeypatch.setenv("BASTION_GEMV_ONE_ROW", one_row)
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     x = torch.randn(rows, k, generator=gen)
     w = torch.randn(n, k, generator=gen)
@@ -833,10 +838,12 @@ def test_gemv_whole_k_tile(monkeypatch: pytest.MonkeyPatch, gemv_launches: list[
     torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
     launch = gemv_launches[-1]
     assert (launch["BLOCK_K"], launch["BLOCK_N"], launch["PREFETCH"]) == (whole_k, block_n, False)
+    assert launch["ONE_ROW"] and launch["WHOLE_K"]
     assert launch["grid"] == (-(-n // block_n),) and launch["EVEN_K"] == (k == whole_k)
     monkeypatch.setenv("BASTION_GEMV_WHOLE_K", "0")
     gemv_triton(x, w, None, config)
     assert (gemv_launches[-1]["BLOCK_K"], gemv_launches[-1]["PREFETCH"]) == (32, True)
+    assert not gemv_launches[-1]["WHOLE_K"]
 
 
 def test_gemv_whole_k_keeps_the_tile_past_4096_or_two_rows(monkeypatch: pytest.MonkeyPatch,

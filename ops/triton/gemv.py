@@ -20,9 +20,9 @@ from bastion.ops.triton.pdl import (prefetch_l2, prefetch_lanes, release_early, 
 
 
 # BASTION_GEMV_WHOLE_K: a program's weight tile in one K step, at most this many bytes, for K
-# up to WHOLE_K_MAX. The bf16 tile alone is 64 registers a thread at 4 warps; with its float32
-# products the kernel takes about 245 (Triton 3.9 for sm_90, session 26), so 2 programs fit a
-# SM and only part of a large product's weights is read before the wait.
+# up to WHOLE_K_MAX. The bf16 tile is 64 registers a thread at 4 warps; one row's kernel with
+# K in one step takes 95-99 registers for sm_90 (scripts/kernel_resources.py), so 5 programs
+# fit a SM: 160 KB of weights, 21 MB over an H200's 132 SMs, read before the wait.
 WHOLE_K_TILE_BYTES = 32 * 1024
 WHOLE_K_MAX = 4096
 
@@ -48,6 +48,8 @@ def _gemv_kernel(
     PREFETCH: tl.constexpr,
     W_BYTES: tl.constexpr,
     LINES: tl.constexpr,
+    ONE_ROW: tl.constexpr = False,
+    WHOLE_K: tl.constexpr = False,
 ):
     release_early(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
@@ -55,7 +57,6 @@ def _gemv_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # Before the wait for the kernel that writes x (ops/triton/pdl.py): the program's whole
     # weight tile is asked of L2, and the first K step (peeled) read.
@@ -69,27 +70,57 @@ def _gemv_kernel(
     else:
         w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
     wait_for_previous(USE_PDL)
-    if EVEN_K:
-        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+    if ONE_ROW:
+        # One row: [BLOCK_N, BLOCK_K] products. Without the row axis of the general case the
+        # float32 products need not all be live at once: a 4 x 4096 bf16 tile at 4 warps takes
+        # 80 registers for sm_90 against 243 (scripts/kernel_resources.py), so three times as
+        # many programs, and their weight tiles, fit a SM before their wait.
+        _ = m_ok
+        if EVEN_K:
+            x = tl.load(x_ptr + offs_k)
+        else:
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        # K in one step (WHOLE_K): no loop carries the products, so they need not all be
+        # live at once.
+        if not WHOLE_K:
+            for k in range(BLOCK_K, K, BLOCK_K):
+                w_ptrs += BLOCK_K
+                if EVEN_K:
+                    x = tl.load(x_ptr + k + offs_k)
+                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+                else:
+                    k_ok = offs_k < K - k
+                    x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0)
+                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
     else:
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-    acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    for k in range(BLOCK_K, K, BLOCK_K):
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
-            k_ok = offs_k < K - k
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        for k in range(BLOCK_K, K, BLOCK_K):
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K - k
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        y = tl.sum(acc, axis=2)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -109,6 +140,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
     pdl, warps = use_pdl(x.device), config["num_warps"]
     prefetch = use_prefetch(x.device, weight.numel() * weight.element_size())
+    whole_k = False
     if prefetch and m == 1 and k <= WHOLE_K_MAX and envs.get("BASTION_GEMV_WHOLE_K"):
         # The kernel reads its first K step before the wait: with that step the whole of K,
         # each program asks for its whole weight tile (into registers) while the kernel before
@@ -116,11 +148,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         # ms less per 128-token batch (about 2 %) in three calls (docs/BENCHMARKS.md).
         bk = triton.next_power_of_2(k)
         bn = max(1, min(bn, WHOLE_K_TILE_BYTES // (bk * weight.element_size())))
-        prefetch = False
+        prefetch, whole_k = False, True
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
         PREFETCH=prefetch, W_BYTES=weight.element_size(),
-        LINES=prefetch_lanes(warps), num_warps=warps, launch_pdl=bool(pdl))
+        LINES=prefetch_lanes(warps), ONE_ROW=m == 1 and envs.get("BASTION_GEMV_ONE_ROW"),
+        WHOLE_K=whole_k, num_warps=warps, launch_pdl=bool(pdl))
     return y
