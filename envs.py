@@ -113,9 +113,9 @@ VARIABLES: dict[str, EnvVar] = {
         "there and walks K in steps after its wait, instead of reading its whole weight tile "
         "(K up to 4096, 32 KB a program) into registers before the wait (A/B runs)"),
     "BASTION_GEMV_ONE_ROW": EnvVar(
-        True, _flag, "0: a one-row matrix-vector product runs the general kernel's [rows, N, "
-        "K] products instead of [N, K] ones (more registers a thread, fewer programs a SM "
-        "before their wait; A/B runs)"),
+        True, _flag, "0: a one-row matrix-vector product with its whole K in one step runs the "
+        "general kernel's [rows, N, K] products instead of [N, K] ones (more registers a "
+        "thread, fewer programs a SM before their wait; A/B runs)"),
     "BASTION_MOE_DOWN_PREFETCH": EnvVar(
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),

@@ -21,7 +21,8 @@
 # workload's bandwidth floor, measured in the same run, and the most DP=2 can gain by it), dp
 # (two GPUs, one process each, every second prompt; dpwhole: each the whole workload), hf (a
 # slice of the workload through bastion and transformers' continuous batching, with the
-# ratio), latency (Llama-3.1-8B architecture, batch 8, 32 in / 128 out), moetune (the fused MoE
+# ratio), latency (Llama-3.1-8B architecture, batch 8, 32 in / 128 out; denselat: Qwen3-0.6B
+# and Llama-3.1-8B at batch 1, once per environment assignment in $DENSE_ENVS), moetune (the fused MoE
 # kernels' launch configs for Qwen3-30B-A3B, JSON to $OUT; $MOE_TUNE_ARGS e.g. "--tokens 1 2
 # --update --install"), moe (Qwen3-30B-A3B architecture: offline throughput and batch-1/8
 # latency beside their floors; $MOE_ARGS e.g. --latency, $MOE_PROFILE batch sizes to
@@ -219,6 +220,10 @@ for s in $STAGES; do
       --temperature 0 --max-num-batched-tokens 16384 --hf-continuous-batching ;;
     latency) stage latency 150 'latency|avg|floor|Error' -- \
       $PY scripts/bench_latency.py --model $LLAMA ;;
+    denselat) stage denselat 400 'environment|model|avg|floor|Error|error' -- bash -c \
+      "for m in $QWEN $LLAMA; do for e in ${DENSE_ENVS:-BASTION_PDL=1}; do \
+      echo \"environment \$e model \$m\"; env \${e//+/ } $PY scripts/bench_latency.py \
+      --model \$m --batch-size 1 --num-iters 10; done; done" ;;
     dp) stage dp 150 'workload|bastion|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens 16384 --skip-hf --data-parallel-size 2 ;;

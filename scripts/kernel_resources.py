@@ -117,7 +117,7 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
     for name, fn_args, block_n, block_k in (("o-proj", gemv_args, 4, 4096),
                                             ("qkv", qkv_args, 8, 2048)):
         out.append((f"gemv {name} whole K, {block_n} x {block_k}", _gemv_kernel, fn_args,
-                    {**gemv, "BLOCK_N": block_n, "BLOCK_K": block_k, "WHOLE_K": True},
+                    {**gemv, "BLOCK_N": block_n, "BLOCK_K": block_k},
                     {"num_warps": 4, **pdl}))
     out.append(("attention decode, 8 splits", _unified_attention_kernel, attn_args, attn,
                 {"num_warps": 4, "num_stages": 3, **pdl}))

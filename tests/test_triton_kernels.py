@@ -773,16 +773,12 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
-@pytest.mark.parametrize("one_row", ["1", "0"])
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [
     (1, 40, 96, 32, False), (1, 37, 100, 32, True), (2, 37, 80, 32, True), (3, 16, 64, 64, False),
     (4, 9, 100, 64, True)])
-def test_gemv_matches_linear(monkeypatch: pytest.MonkeyPatch, rows: int, n: int, k: int,
-                             block_k: int, bias: bool, one_row: str) -> None:
+def test_gemv_matches_linear(rows: int, n: int, k: int, block_k: int, bias: bool) -> None:
     """The decode-rows matmul: column tiles past N, K not a multiple of the tile (the masked
-    loop) and exact multiples (the unmasked one), a bias, a float32 output; one row through
-    its own [N, K] products and (``BASTION_GEMV_ONE_ROW=0``) through the general kernel."""
-    monkeypatch.setenv("BASTION_GEMV_ONE_ROW", one_row)
+    loop) and exact multiples (the unmasked one), a bias, a float32 output."""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     x = torch.randn(rows, k, generator=gen)
     w = torch.randn(n, k, generator=gen)
@@ -819,16 +815,19 @@ def gemv_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return launches
 
 
+@pytest.mark.parametrize("one_row", [True, False])
 @pytest.mark.parametrize("n,k,whole_k,block_n", [(40, 96, 128, 8), (20, 2048, 2048, 8),
                                                    (12, 3072, 4096, 4), (9, 4096, 4096, 4)])
 def test_gemv_whole_k_tile(monkeypatch: pytest.MonkeyPatch, gemv_launches: list[dict], n: int,
-                           k: int, whole_k: int, block_n: int) -> None:
+                           k: int, whole_k: int, block_n: int, one_row: bool) -> None:
     """``BASTION_GEMV_WHOLE_K``: a one-row product that would prefetch its weights launches
     with K in one step (K rounded up to a power of two, masked past K) and at most 32 KB of
-    bf16 weights a program, without the L2 prefetch, and still matches; off, it keeps the
+    bf16 weights a program, without the L2 prefetch, through the one-row kernel (or, with
+    ``BASTION_GEMV_ONE_ROW=0``, the general one), and still matches; off, it keeps the
     table's tile and prefetches."""
     from bastion.ops.triton.gemv import gemv_triton
 
+    monkeypatch.setenv("BASTION_GEMV_ONE_ROW", "1" if one_row else "0")
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(1, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -838,12 +837,12 @@ def test_gemv_whole_k_tile(monkeypatch: pytest.MonkeyPatch, gemv_launches: list[
     torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
     launch = gemv_launches[-1]
     assert (launch["BLOCK_K"], launch["BLOCK_N"], launch["PREFETCH"]) == (whole_k, block_n, False)
-    assert launch["ONE_ROW"] and launch["WHOLE_K"]
+    assert launch["ONE_ROW"] == one_row
     assert launch["grid"] == (-(-n // block_n),) and launch["EVEN_K"] == (k == whole_k)
     monkeypatch.setenv("BASTION_GEMV_WHOLE_K", "0")
     gemv_triton(x, w, None, config)
     assert (gemv_launches[-1]["BLOCK_K"], gemv_launches[-1]["PREFETCH"]) == (32, True)
-    assert not gemv_launches[-1]["WHOLE_K"]
+    assert not gemv_launches[-1]["ONE_ROW"]
 
 
 def test_gemv_whole_k_keeps_the_tile_past_4096_or_two_rows(monkeypatch: pytest.MonkeyPatch,

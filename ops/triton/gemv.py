@@ -49,7 +49,6 @@ def _gemv_kernel(
     W_BYTES: tl.constexpr,
     LINES: tl.constexpr,
     ONE_ROW: tl.constexpr = False,
-    WHOLE_K: tl.constexpr = False,
 ):
     release_early(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
@@ -71,30 +70,18 @@ def _gemv_kernel(
         w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
     wait_for_previous(USE_PDL)
     if ONE_ROW:
-        # One row: [BLOCK_N, BLOCK_K] products. Without the row axis of the general case the
-        # float32 products need not all be live at once: a 4 x 4096 bf16 tile at 4 warps takes
-        # 80 registers for sm_90 against 243 (scripts/kernel_resources.py), so three times as
-        # many programs, and their weight tiles, fit a SM before their wait.
+        # One row with K in one step: [BLOCK_N, BLOCK_K] products, which need not all be live at
+        # once without the row axis of the general case and with no loop to carry them. A
+        # 4 x 4096 bf16 tile at 4 warps takes 99 registers for sm_90 against 243
+        # (scripts/kernel_resources.py), so 5 programs a SM instead of 2, and their weight
+        # tiles, are read before their wait. Not for stepped K: Llama-3.1-8B's one-row products
+        # took 15 % longer a batch through a loop of this form (session 28, call 4).
         _ = m_ok
         if EVEN_K:
             x = tl.load(x_ptr + offs_k)
         else:
             x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
-        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-        # K in one step (WHOLE_K): no loop carries the products, so they need not all be
-        # live at once.
-        if not WHOLE_K:
-            for k in range(BLOCK_K, K, BLOCK_K):
-                w_ptrs += BLOCK_K
-                if EVEN_K:
-                    x = tl.load(x_ptr + k + offs_k)
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-                else:
-                    k_ok = offs_k < K - k
-                    x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0)
-                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
+        y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -154,6 +141,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
         PREFETCH=prefetch, W_BYTES=weight.element_size(),
-        LINES=prefetch_lanes(warps), ONE_ROW=m == 1 and envs.get("BASTION_GEMV_ONE_ROW"),
-        WHOLE_K=whole_k, num_warps=warps, launch_pdl=bool(pdl))
+        LINES=prefetch_lanes(warps), ONE_ROW=whole_k and envs.get("BASTION_GEMV_ONE_ROW"),
+        num_warps=warps, launch_pdl=bool(pdl))
     return y
