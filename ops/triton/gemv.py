@@ -5,7 +5,8 @@ tiles built for wider inputs (and a second reduce kernel for the o-projection's 
 at a decode step's sizes reach about half the copy bandwidth. Here one program owns
 ``BLOCK_N`` output columns for every row: it streams their ``[BLOCK_N, K]`` weight rows once,
 multiplies them against all rows of ``x`` (a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` float32 tile,
-reduced over K once at the end) and writes the ``[M, BLOCK_N]`` result.
+reduced over K once at the end) and writes the ``[M, BLOCK_N]`` result. One row whose whole K
+is one step (``ONE_ROW``) has a form of its own with fewer registers (see the kernel).
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         # The kernel reads its first K step before the wait: with that step the whole of K,
         # each program asks for its whole weight tile (into registers) while the kernel before
         # it runs, and after the wait reads only x. Qwen3-30B-A3B at batch 1 on an H200: 7-10
-        # ms less per 128-token batch (about 2 %) in three calls (docs/BENCHMARKS.md).
+        # ms less per 128-token batch (about 2 %) in three calls, and with the one-row form
+        # (5 programs a SM instead of 2) 34-40 ms less again (docs/BENCHMARKS.md, sessions 26
+        # and 28).
         bk = triton.next_power_of_2(k)
         bn = max(1, min(bn, WHOLE_K_TILE_BYTES // (bk * weight.element_size())))
         prefetch, whole_k = False, True
