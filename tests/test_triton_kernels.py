@@ -823,8 +823,8 @@ def test_gemv_whole_k_tile(monkeypatch: pytest.MonkeyPatch, gemv_launches: list[
     """``BASTION_GEMV_WHOLE_K``: a one-row product that would prefetch its weights launches
     with K in one step (K rounded up to a power of two, masked past K) and at most 32 KB of
     bf16 weights a program, without the L2 prefetch, through the one-row kernel (or, with
-    ``BASTION_GEMV_ONE_ROW=0``, the general one), and still matches; off, it keeps the
-    table's tile and prefetches."""
+    ``BASTION_GEMV_ONE_ROW=0``, the general one), and still matches, bias included; off, it
+    keeps the table's tile and prefetches."""
     from bastion.ops.triton.gemv import gemv_triton
 
     monkeypatch.setenv("BASTION_GEMV_ONE_ROW", "1" if one_row else "0")
@@ -833,8 +833,9 @@ def test_gemv_whole_k_tile(monkeypatch: pytest.MonkeyPatch, gemv_launches: list[
     w = torch.randn(n, k, generator=gen).bfloat16()
     config = {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4}
     monkeypatch.setenv("BASTION_GEMV_WHOLE_K", "1")
-    out = gemv_triton(x, w, None, config, out_dtype=torch.float32)
-    torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
+    b = torch.randn(n, generator=gen).bfloat16()
+    out = gemv_triton(x, w, b, config, out_dtype=torch.float32)
+    torch.testing.assert_close(out, x.float() @ w.float().t() + b.float(), rtol=1e-4, atol=1e-3)
     launch = gemv_launches[-1]
     assert (launch["BLOCK_K"], launch["BLOCK_N"], launch["PREFETCH"]) == (whole_k, block_n, False)
     assert launch["ONE_ROW"] == one_row
