@@ -5,6 +5,13 @@ programs fit a SM as registers grow; neither needs device time to see.
 
     python scripts/kernel_resources.py               # Qwen3-30B-A3B's batch-1 decode kernels
     python scripts/kernel_resources.py --ptx /tmp/p  # also each variant's PTX, to read loops
+    python scripts/kernel_resources.py --order       # also each one's global loads and stores
+                                                     # in SASS order around its wait
+
+``--order`` shows what a latency-bound kernel's time after its wait is made of: every run of
+loads (``LDG``) that follows a store (``STG``) or a reduction (``SHFL``) is another round trip
+to L2 (a load is not moved above a store that might alias it), e.g. ``WAIT LDGx6 SHFLx12
+STGx4 LDGx2 ...``.
 
 Arguments are typed as a launch would type them (Triton's own specialisation: 16-byte aligned
 pointers, integers divisible by 16 marked so). Uses Triton internals (``ASTSource``,
@@ -73,10 +80,39 @@ def resources(cubin: bytes) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+def sass_order(cubin: bytes) -> str:
+    """The kernel's global loads (LDG; CPASYNC into shared memory), stores (STG), atomics
+    (ATOMG, RED), shuffles (SHFL), barriers (BAR) and programmatic-launch wait (WAIT) in SASS
+    order, runs counted: ``LDGx7 WAIT LDGx6 ...``."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    runs: list[list] = []
+    for line in sass.splitlines():
+        found = re.search(r"\b(ACQBULK|LDGSTS|LDG|STG|ATOMG|RED|SHFL|BAR)\b", line)
+        if found is None:
+            continue
+        op = {"ACQBULK": "WAIT", "LDGSTS": "CPASYNC"}.get(found.group(1), found.group(1))
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return " ".join(op if n == 1 else f"{op}x{n}" for op, n in runs)
+
+
 def variants() -> list[tuple[str, object, dict, dict, dict]]:
     """(name, kernel, args, constexprs, options) at Qwen3-30B-A3B's batch-1 decode shapes."""
+    from bastion.ops.triton.fused_add_rms_norm import _fused_add_rms_norm_kernel
     from bastion.ops.triton.fused_moe_gemv import _moe_gemv_down_kernel, _moe_gemv_up_kernel
     from bastion.ops.triton.gemv import _gemv_kernel
+    from bastion.ops.triton.moe_routing import _moe_routing_kernel
+    from bastion.ops.triton.rotary import _rotary_kernel
     from bastion.ops.triton.unified_attention import _unified_attention_kernel
 
     pdl = {"launch_pdl": True}
@@ -121,12 +157,37 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
                     {"num_warps": 4, **pdl}))
     out.append(("attention decode, 8 splits", _unified_attention_kernel, attn_args, attn,
                 {"num_warps": 4, "num_stages": 3, **pdl}))
+    norm_args = {"out_ptr": Ptr("bf16"), "new_res_ptr": Ptr("bf16"), "x_ptr": Ptr("bf16"),
+                 "res_ptr": Ptr("bf16"), "weight_ptr": Ptr("bf16"), "stride_x": 2048,
+                 "stride_res": 2048, "eps": 1e-6}
+    out.append(("residual add + RMSNorm", _fused_add_rms_norm_kernel, norm_args,
+                {"HIDDEN": 2048, "BLOCK": 2048, "USE_PDL": 2}, {"num_warps": 8, **pdl}))
+    routing_args = {"logits_ptr": Ptr("fp32"), "weights_ptr": Ptr("fp32"), "ids_ptr": Ptr("i32"),
+                    "num_real_ptr": Ptr("i32"), "num_tokens": 1, "stride_logits": 128}
+    out.append(("routing (softmax, top-8 of 128)", _moe_routing_kernel, routing_args,
+                {"NUM_EXPERTS": 128, "BLOCK_E": 128, "TOP_K": 8, "BLOCK_K": 8,
+                 "RENORMALIZE": True, "HAS_NUM_REAL": True, "BLOCK_T": 1, "USE_PDL": 2},
+                {"num_warps": 1, **pdl}))
+    rotary_args = {"q_out_ptr": Ptr("bf16"), "k_out_ptr": Ptr("bf16"), "q_ptr": Ptr("bf16"),
+                   "k_ptr": Ptr("bf16"), "v_ptr": Ptr("bf16"), "positions_ptr": Ptr("i64"),
+                   "cos_sin_ptr": Ptr("fp32"), "q_w_ptr": Ptr("bf16"), "k_w_ptr": Ptr("bf16"),
+                   "k_cache_ptr": Ptr("bf16"), "v_cache_ptr": Ptr("bf16"),
+                   "slot_mapping_ptr": Ptr("i64"), "eps": 1e-6, "stride_q": 5120,
+                   "stride_k": 5120, "stride_v": 5120, "stride_cs": 128, "stride_c_blk": 8192,
+                   "stride_c_off": 512, "stride_c_h": 128}
+    out.append(("rotary with q/k norms and the K/V store", _rotary_kernel, rotary_args,
+                {"NUM_Q_HEADS": 32, "NUM_K_HEADS": 4, "HEAD_DIM": 128, "ROT_DIM": 128,
+                 "Q_HEADS_PAD": 32, "K_HEADS_PAD": 4, "HALF_PAD": 64, "PASS_PAD": 0,
+                 "PASS_ARANGE": 1, "DIM_PAD": 128, "IS_NEOX": True, "NORM": True,
+                 "STORE": True, "BLOCK_SIZE": 16, "USE_PDL": 2}, {"num_warps": 4, **pdl}))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ptx", help="a folder for each variant's PTX")
+    p.add_argument("--order", action="store_true",
+                   help="each variant's global loads and stores in SASS order")
     args = p.parse_args(argv)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -150,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {regs} registers, {stack} B stack{' (spills)' if stack else ''}; "
               f"{per_sm} programs a SM by registers and warps; loads in the PTX: {wide} of 16 "
               f"bytes, {narrow} of 2")
+        if args.order:
+            print(f"    {sass_order(kernel.asm['cubin'])}")
         if args.ptx:
             os.makedirs(args.ptx, exist_ok=True)
             with open(os.path.join(args.ptx, re.sub(r"\W+", "_", name) + ".ptx"), "w") as f:
