@@ -664,6 +664,20 @@ def test_moe_routing_matches_softmax_topk(num_experts: int, top_k: int, renormal
     torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("num_tokens,num_real", [(1, 1), (1, 0), (37, 30)])
+def test_moe_routing_rows_past_the_real_tokens_choose_no_expert(num_tokens: int,
+                                                                num_real: int) -> None:
+    """A CUDA graph's padding rows (at or past the device scalar of the step's real tokens)
+    get id -1 and choose nothing; the real rows are routed as without the scalar."""
+    logits = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(4))
+    weights, ids = moe_routing_triton(logits, 8, True,
+                                      torch.tensor([num_real], dtype=torch.int32))
+    ref_w, ref_ids = select_experts_ref(logits, 8, True)
+    assert torch.equal(ids[:num_real].long(), ref_ids[:num_real])
+    assert torch.equal(ids[num_real:], torch.full_like(ids[num_real:], -1))
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_moe_align_groups_pairs_by_local_expert_padded_to_the_block(block_m: int) -> None:
     gen = torch.Generator().manual_seed(5)
