@@ -77,7 +77,6 @@ def _gemv_kernel(
         # (scripts/kernel_resources.py), so 5 programs a SM instead of 2, and their weight
         # tiles, are read before their wait. Not for stepped K: Llama-3.1-8B's one-row products
         # took 15 % longer a batch through a loop of this form (session 28, call 4).
-        _ = m_ok
         if EVEN_K:
             x = tl.load(x_ptr + offs_k)
         else:
