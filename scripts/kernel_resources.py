@@ -63,8 +63,8 @@ def source(fn, args: dict, consts: dict):
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, stack bytes) a thread of the cubin's kernel uses."""
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What the cuobjdump in Triton's wheel prints for ``cubin`` with ``flags``."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -72,8 +72,13 @@ def resources(cubin: bytes) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) a thread of the cubin's kernel uses."""
+    out = cuobjdump(cubin, "--dump-resource-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+)", out)
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {out[:200]}")
@@ -84,17 +89,8 @@ def sass_order(cubin: bytes) -> str:
     """The kernel's global loads (LDG; CPASYNC into shared memory), stores (STG), atomics
     (ATOMG, RED), shuffles (SHFL), barriers (BAR) and programmatic-launch wait (WAIT) in SASS
     order, runs counted: ``LDGx7 WAIT LDGx6 ...``."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
     runs: list[list] = []
-    for line in sass.splitlines():
+    for line in cuobjdump(cubin, "-sass").splitlines():
         found = re.search(r"\b(ACQBULK|LDGSTS|LDG|STG|ATOMG|RED|SHFL|BAR)\b", line)
         if found is None:
             continue
