@@ -481,8 +481,13 @@ def _check_norm_rope_store(rot_dim: int, dtype: torch.dtype, device: torch.devic
     assert torch.equal(flat_k[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("loads_first", ["1", "0"])
 @pytest.mark.parametrize("rot_dim", [32, 16])
-def test_rotary_fused_with_qk_norm_and_kv_store(rot_dim: int) -> None:
+def test_rotary_fused_with_qk_norm_and_kv_store(monkeypatch: pytest.MonkeyPatch, rot_dim: int,
+                                                loads_first: str) -> None:
+    # q, k and v read together after the wait, or (BASTION_ROTARY_LOADS_FIRST=0) each after
+    # the stores before it.
+    monkeypatch.setenv("BASTION_ROTARY_LOADS_FIRST", loads_first)
     _check_norm_rope_store(rot_dim, torch.float32, CPU, atol=1e-5)
 
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion import envs
 from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 
@@ -25,44 +26,57 @@ class RotaryOutput(NamedTuple):
 
 
 @triton.jit
-def _norm_rotate(
-    src,  # [HEADS_PAD, 1] pointers to the heads of one token
-    w_ptr,
-    eps,
-    cos,
-    sin,
-    x1_off,
-    x2_off,
-    offs_p,
-    m,
-    mp,
-    HEAD_DIM: tl.constexpr,
-    PASS_PAD: tl.constexpr,
-    NORM: tl.constexpr,
-    ROUND_TY: tl.constexpr,
-):
-    """Rotated halves (and the pass-through dims) of every head, float32."""
+def _load_heads(src, x1_off, x2_off, offs_p, m, mp, PASS_PAD: tl.constexpr):
+    """The two rotated halves (and the pass-through dims) of every head of one token, float32;
+    ``src`` is [HEADS_PAD, 1] pointers to the heads."""
     x1 = tl.load(src + x1_off[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + x2_off[None, :], mask=m, other=0.0).to(tl.float32)
     if PASS_PAD > 0:
         xp = tl.load(src + offs_p[None, :], mask=mp, other=0.0).to(tl.float32)
     else:
         xp = x1  # unused
+    return x1, x2, xp
+
+
+@triton.jit
+def _norm_rotate(
+    x1,
+    x2,
+    xp,
+    w1,
+    w2,
+    wp,
+    eps,
+    cos,
+    sin,
+    HEAD_DIM: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+    NORM: tl.constexpr,
+    ROUND_TY: tl.constexpr,
+):
+    """Rotated halves (and the pass-through dims) of every head, float32; with NORM each
+    head is RMS-normalised first, by the weights' halves ``w1``, ``w2`` (and ``wp``)."""
     if NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
         if PASS_PAD > 0:
             ss += tl.sum(xp * xp, axis=1)
         r = tl.math.rsqrt(ss / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(w_ptr + x1_off, mask=x1_off < HEAD_DIM, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + x2_off, mask=x2_off < HEAD_DIM, other=0.0).to(tl.float32)
         # NOTE: rounded to the activation dtype between norm and rotation, as the unfused
         # ops (a norm kernel writing bf16, then rotary reading it) would see it.
         x1 = (x1 * r * w1[None, :]).to(ROUND_TY).to(tl.float32)
         x2 = (x2 * r * w2[None, :]).to(ROUND_TY).to(tl.float32)
         if PASS_PAD > 0:
-            wp = tl.load(w_ptr + offs_p, mask=offs_p < HEAD_DIM, other=0.0).to(tl.float32)
             xp = (xp * r * wp[None, :]).to(ROUND_TY).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin, xp
+
+
+@triton.jit
+def _norm_weights(w_ptr, x1_off, x2_off, offs_p, HEAD_DIM: tl.constexpr):
+    """A per-head norm weight split as the heads are: the two halves and the pass-through."""
+    w1 = tl.load(w_ptr + x1_off, mask=x1_off < HEAD_DIM, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + x2_off, mask=x2_off < HEAD_DIM, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + offs_p, mask=offs_p < HEAD_DIM, other=0.0).to(tl.float32)
+    return w1, w2, wp
 
 
 @triton.jit
@@ -102,10 +116,13 @@ def _rotary_kernel(
     STORE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LOADS_FIRST: tl.constexpr = True,
 ):
     release_early(USE_PDL)
-    # Positions, cos/sin and the norm weights are read before the wait for the kernel that
-    # wrote q, k and v (the QKV projection).
+    # Positions, cos/sin, the norm weights and the cache slot are read before the wait for the
+    # kernel that wrote q, k and v (the QKV projection); after it q, k and v are all read
+    # before anything is stored (a load after a store is not moved above it: it might alias,
+    # and each such load would add a round trip to L2 to this latency-bound kernel).
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok)
     half = ROT_DIM // 2
@@ -122,46 +139,65 @@ def _rotary_kernel(
         x2_off = 2 * offs_i + 1
     offs_p = ROT_DIM + tl.arange(0, PASS_ARANGE)  # the dims partial rotary passes through
     out_ty = q_out_ptr.dtype.element_ty
+    if NORM:
+        qw1, qw2, qwp = _norm_weights(q_w_ptr, x1_off, x2_off, offs_p, HEAD_DIM)
+        kw1, kw2, kwp = _norm_weights(k_w_ptr, x1_off, x2_off, offs_p, HEAD_DIM)
+    else:  # unused
+        qw1, qw2, qwp = cos, cos, cos
+        kw1, kw2, kwp = cos, cos, cos
+    heads = tl.arange(0, K_HEADS_PAD)[:, None]
+    if STORE:
+        slot = tl.load(slot_mapping_ptr + tok + heads * 0)  # [K_HEADS_PAD, 1], all the same
     wait_for_previous(USE_PDL)
 
-    # query: NUM_Q_HEADS heads
-    offs_h = tl.arange(0, Q_HEADS_PAD)[:, None] * HEAD_DIM
-    m = (offs_h < NUM_Q_HEADS * HEAD_DIM) & i_ok[None, :]
-    mp = (offs_h < NUM_Q_HEADS * HEAD_DIM) & (offs_p[None, :] < HEAD_DIM)
-    o1, o2, op = _norm_rotate(q_ptr + tok * stride_q + offs_h, q_w_ptr, eps, cos, sin, x1_off,
-                              x2_off, offs_p, m, mp, HEAD_DIM, PASS_PAD, NORM, out_ty)
-    dst = q_out_ptr + tok * (NUM_Q_HEADS * HEAD_DIM) + offs_h
-    tl.store(dst + x1_off[None, :], o1.to(out_ty), mask=m)
-    tl.store(dst + x2_off[None, :], o2.to(out_ty), mask=m)
-    if PASS_PAD > 0:
-        tl.store(dst + offs_p[None, :], op.to(out_ty), mask=mp)
-
-    # key: NUM_K_HEADS heads, also into the cache when STORE
-    offs_h = tl.arange(0, K_HEADS_PAD)[:, None] * HEAD_DIM
-    m = (offs_h < NUM_K_HEADS * HEAD_DIM) & i_ok[None, :]
-    mp = (offs_h < NUM_K_HEADS * HEAD_DIM) & (offs_p[None, :] < HEAD_DIM)
-    o1, o2, op = _norm_rotate(k_ptr + tok * stride_k + offs_h, k_w_ptr, eps, cos, sin, x1_off,
-                              x2_off, offs_p, m, mp, HEAD_DIM, PASS_PAD, NORM, out_ty)
-    dst = k_out_ptr + tok * (NUM_K_HEADS * HEAD_DIM) + offs_h
-    tl.store(dst + x1_off[None, :], o1.to(out_ty), mask=m)
-    tl.store(dst + x2_off[None, :], o2.to(out_ty), mask=m)
-    if PASS_PAD > 0:
-        tl.store(dst + offs_p[None, :], op.to(out_ty), mask=mp)
+    # query: NUM_Q_HEADS heads; key: NUM_K_HEADS heads (also into the cache when STORE)
+    offs_qh = tl.arange(0, Q_HEADS_PAD)[:, None] * HEAD_DIM
+    qm = (offs_qh < NUM_Q_HEADS * HEAD_DIM) & i_ok[None, :]
+    qmp = (offs_qh < NUM_Q_HEADS * HEAD_DIM) & (offs_p[None, :] < HEAD_DIM)
+    q1, q2, qp = _load_heads(q_ptr + tok * stride_q + offs_qh, x1_off, x2_off, offs_p, qm, qmp,
+                             PASS_PAD)
+    offs_kh = heads * HEAD_DIM
+    km = (offs_kh < NUM_K_HEADS * HEAD_DIM) & i_ok[None, :]
+    kmp = (offs_kh < NUM_K_HEADS * HEAD_DIM) & (offs_p[None, :] < HEAD_DIM)
+    k_src = k_ptr + tok * stride_k + offs_kh
+    if LOADS_FIRST:
+        k1, k2, kp = _load_heads(k_src, x1_off, x2_off, offs_p, km, kmp, PASS_PAD)
     if STORE:
-        heads = tl.arange(0, K_HEADS_PAD)[:, None]
-        slot = tl.load(slot_mapping_ptr + tok + heads * 0)  # [K_HEADS_PAD, 1], all the same
+        offs_d = tl.arange(0, DIM_PAD)[None, :]
         # NOTE: slot -1 marks a padding token (CUDA-graph batch padding); it owns no slot.
         ok = slot >= 0
+        mv = (heads < NUM_K_HEADS) & (offs_d < HEAD_DIM) & ok
+        v_src = v_ptr + tok * stride_v + heads * HEAD_DIM + offs_d
+        if LOADS_FIRST:
+            v = tl.load(v_src, mask=mv)
+
+    o1, o2, op = _norm_rotate(q1, q2, qp, qw1, qw2, qwp, eps, cos, sin, HEAD_DIM, PASS_PAD,
+                              NORM, out_ty)
+    dst = q_out_ptr + tok * (NUM_Q_HEADS * HEAD_DIM) + offs_qh
+    tl.store(dst + x1_off[None, :], o1.to(out_ty), mask=qm)
+    tl.store(dst + x2_off[None, :], o2.to(out_ty), mask=qm)
+    if PASS_PAD > 0:
+        tl.store(dst + offs_p[None, :], op.to(out_ty), mask=qmp)
+    if not LOADS_FIRST:  # BASTION_ROTARY_LOADS_FIRST=0 (A/B runs): k read after q's stores
+        k1, k2, kp = _load_heads(k_src, x1_off, x2_off, offs_p, km, kmp, PASS_PAD)
+
+    o1, o2, op = _norm_rotate(k1, k2, kp, kw1, kw2, kwp, eps, cos, sin, HEAD_DIM, PASS_PAD,
+                              NORM, out_ty)
+    dst = k_out_ptr + tok * (NUM_K_HEADS * HEAD_DIM) + offs_kh
+    tl.store(dst + x1_off[None, :], o1.to(out_ty), mask=km)
+    tl.store(dst + x2_off[None, :], o2.to(out_ty), mask=km)
+    if PASS_PAD > 0:
+        tl.store(dst + offs_p[None, :], op.to(out_ty), mask=kmp)
+    if STORE:
         row = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_off
         row += heads * stride_c_h
         cache_ty = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + row + x1_off[None, :], o1.to(cache_ty), mask=m & ok)
-        tl.store(k_cache_ptr + row + x2_off[None, :], o2.to(cache_ty), mask=m & ok)
+        tl.store(k_cache_ptr + row + x1_off[None, :], o1.to(cache_ty), mask=km & ok)
+        tl.store(k_cache_ptr + row + x2_off[None, :], o2.to(cache_ty), mask=km & ok)
         if PASS_PAD > 0:
-            tl.store(k_cache_ptr + row + offs_p[None, :], op.to(cache_ty), mask=mp & ok)
-        offs_d = tl.arange(0, DIM_PAD)[None, :]
-        mv = (heads < NUM_K_HEADS) & (offs_d < HEAD_DIM) & ok
-        v = tl.load(v_ptr + tok * stride_v + heads * HEAD_DIM + offs_d, mask=mv)
+            tl.store(k_cache_ptr + row + offs_p[None, :], op.to(cache_ty), mask=kmp & ok)
+        if not LOADS_FIRST:
+            v = tl.load(v_src, mask=mv)
         tl.store(v_cache_ptr + row + offs_d, v.to(cache_ty), mask=mv)
 
 
@@ -261,6 +297,7 @@ def apply_rotary_emb_triton(
             PASS_PAD=pass_pad, PASS_ARANGE=max(pass_pad, 1),
             DIM_PAD=triton.next_power_of_2(head_size),
             IS_NEOX=is_neox_style, NORM=norm, STORE=store, BLOCK_SIZE=block_size,
-            USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
+            USE_PDL=pdl, LOADS_FIRST=envs.get("BASTION_ROTARY_LOADS_FIRST"), num_warps=4,
+            launch_pdl=bool(pdl),
         )  # fmt: skip
     return RotaryOutput(q_out.view(query.shape), k_out.view(key.shape))
