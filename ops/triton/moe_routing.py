@@ -32,6 +32,10 @@ def _moe_routing_kernel(
     USE_PDL: tl.constexpr,
 ):
     release_early(USE_PDL)
+    # The step's count of real tokens is staged before the step runs: read before the wait,
+    # it is not a second round trip after the reductions (kernel_resources.py --order).
+    if HAS_NUM_REAL:
+        num_real = tl.load(num_real_ptr)
     wait_for_previous(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -57,7 +61,7 @@ def _moe_routing_kernel(
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     if HAS_NUM_REAL:  # padding rows past the step's real tokens choose no expert
-        top_i = tl.where((rows < tl.load(num_real_ptr))[:, None], top_i, -1)
+        top_i = tl.where((rows < num_real)[:, None], top_i, -1)
     out = rows[:, None] * TOP_K + kcols[None, :]
     out_mask = row_ok[:, None] & (kcols[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=out_mask)
