@@ -18,26 +18,27 @@ from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 @triton.jit
 def merge_splits(part_out_ptr, part_ml_ptr, first, row_ok, offs_d, ROWS: tl.constexpr,
-                 HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                 HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, live):
     """The merged output [ROWS, HEAD_PAD] (float32) of (token, head) rows whose split 0 is at
-    partial row ``first`` [ROWS] (the splits follow it). Partials are read from L2 (``.cg``): the
-    fused merge reads what other programs of the same launch wrote. A row no split saw comes
-    out 0."""
+    partial row ``first`` [ROWS] (the splits follow it); only the first ``live`` splits wrote
+    theirs. Partials are read from L2 (``.cg``): the fused merge reads what other programs of
+    the same launch wrote. A row no split saw comes out 0."""
+    split = tl.zeros([ROWS], dtype=tl.int32)  # s + split: a split index as a tensor
     m_all = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")
+        m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok & (split + s < live),
+                      other=float("-inf"), cache_modifier=".cg")
         m_all = tl.maximum(m_all, m_s)
     m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
     num = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
     den = tl.zeros([ROWS], dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=row_ok, other=0.0,
+        m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok & (split + s < live),
+                      other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=row_ok & (split + s < live), other=0.0,
                       cache_modifier=".cg")
         acc_s = tl.load(part_out_ptr + (first + s)[:, None] * HEAD_PAD + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                        mask=(row_ok & (split + s < live))[:, None], other=0.0, cache_modifier=".cg")
         w = tl.exp2(m_s - m_all)
         num += acc_s * w[:, None]
         den += l_s * w
@@ -72,7 +73,7 @@ def _merge_attention_splits_kernel(
         return
     first = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS + tl.zeros([1], dtype=tl.int64)
     out = merge_splits(part_out_ptr, part_ml_ptr, first, first >= 0, offs_d, 1, HEAD_PAD,
-                       NUM_SPLITS)
+                       NUM_SPLITS, NUM_SPLITS)  # every split stored its partial
     tl.store(out_row + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok[None, :])
 
 
