@@ -119,6 +119,9 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_DOWN_PREFETCH": EnvVar(
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),
+    "BASTION_L2_EVICT_FIRST": EnvVar(
+        True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
+        "weights with L2's normal priority instead of evict-first (A/B runs)"),
     "BASTION_ROTARY_LOADS_FIRST": EnvVar(
         True, _flag, "0: the rotary kernel reads k after storing q and v after storing k "
         "(one round trip to L2 each) instead of all three at once after its wait (A/B runs)"),

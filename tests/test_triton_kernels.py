@@ -976,7 +976,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     norm, float32 router, routing, both expert kernels), distinct weights per layer, replayed
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
-    L2 (ops/triton/pdl.py) give the same bits: only when kernels start may change."""
+    L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, give the same
+    bits: only when kernels start and what L2 keeps may change."""
     from bastion.ops.linear import gemv
 
     dev = torch.device("cuda")
@@ -1005,10 +1006,11 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
         return x + res
 
     outs = {}
-    for mode in ("off", "late", "early+prefetch"):
+    for mode in ("off", "late", "early+prefetch", "early+prefetch, normal L2 priority"):
         monkeypatch.setenv("BASTION_PDL", "0" if mode == "off" else "1")
         monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
         monkeypatch.setenv("BASTION_L2_PREFETCH", "1")
+        monkeypatch.setenv("BASTION_L2_EVICT_FIRST", "0" if "normal" in mode else "1")
         static = x0.clone()
         step(static)
         graph = torch.cuda.CUDAGraph()
@@ -1020,6 +1022,7 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     assert torch.isfinite(outs["off"]).all()
     assert torch.equal(outs["late"], outs["off"])
     assert torch.equal(outs["early+prefetch"], outs["off"])
+    assert torch.equal(outs["early+prefetch, normal L2 priority"], outs["off"])
 
 
 @gpu

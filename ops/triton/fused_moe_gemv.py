@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from bastion import envs
-from bastion.ops.triton.pdl import (prefetch_l2, prefetch_lanes, release_early, use_pdl,
-                                   use_prefetch, wait_for_previous)
+from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, release_early,
+                                   use_pdl, use_prefetch, wait_for_previous)
 
 
 @triton.jit
@@ -48,6 +48,7 @@ def _moe_gemv_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVICT: tl.constexpr = "",
 ):
     # Released only after the wait: the down kernel reads the routing's ids before its own.
     wait_for_previous(USE_PDL, RELEASE=True)
@@ -69,8 +70,8 @@ def _moe_gemv_up_kernel(
         k_ok = offs_k < K - k
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
-        g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        u = tl.load(up_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
         acc_gate += g * x[None, :]
         acc_up += u * x[None, :]
         x_ptrs += BLOCK_K
@@ -106,6 +107,7 @@ def _moe_gemv_down_kernel(
     PREFETCH: tl.constexpr,
     W_BYTES: tl.constexpr,
     LINES: tl.constexpr,
+    EVICT: tl.constexpr = "",
 ):
     release_early(USE_PDL)
     # The token's k experts form the leading dim of one [k, BLOCK_N, BLOCK_K] tile, so every
@@ -138,7 +140,8 @@ def _moe_gemv_down_kernel(
     # (ops/triton/pdl.py): the ids and the first K step's weights are read before the wait
     # for the up kernel's products.
     k_ok = offs_k[None, :] < k_end[:, None]
-    w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0)
+    w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0,
+                eviction_policy=EVICT)
     wait_for_previous(USE_PDL)
     a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32) * weight[:, None]
     acc = w.to(tl.float32) * a[:, None, :]
@@ -147,7 +150,8 @@ def _moe_gemv_down_kernel(
         w_ptrs += BLOCK_K
         k_ok = offs_k[None, :] < (k_end - k)[:, None]
         a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32) * weight[:, None]
-        w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0,
+                    eviction_policy=EVICT)
         acc += w.to(tl.float32) * a[:, None, :]
     out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + token * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -176,13 +180,14 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         return out
     act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
     up, down = _tiles(config)
-    pdl = use_pdl(hidden.device)
+    pdl, evict = use_pdl(hidden.device), evict_policy(hidden.device)
     routed_bytes = num_tokens * top_k * w2[0].numel() * w2.element_size()  # at the most
     _moe_gemv_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_SIZE_N"]))](
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl,
-        num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=bool(pdl))
+        EVICT=evict, num_warps=up["num_warps"], num_stages=up["num_stages"],
+        launch_pdl=bool(pdl))
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
@@ -190,7 +195,7 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         BLOCK_K=down["BLOCK_SIZE_K"], USE_PDL=pdl,
         PREFETCH=(use_prefetch(hidden.device, routed_bytes)
                   and envs.get("BASTION_MOE_DOWN_PREFETCH")),
-        W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]),
+        W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]), EVICT=evict,
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out
 

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from bastion import envs
-from bastion.ops.triton.pdl import (prefetch_l2, prefetch_lanes, release_early, use_pdl,
-                                   use_prefetch, wait_for_previous)
+from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, release_early,
+                                   use_pdl, use_prefetch, wait_for_previous)
 
 
 # BASTION_GEMV_WHOLE_K: a program's weight tile in one K step, at most this many bytes, for K
@@ -50,6 +50,7 @@ def _gemv_kernel(
     W_BYTES: tl.constexpr,
     LINES: tl.constexpr,
     ONE_ROW: tl.constexpr = False,
+    EVICT: tl.constexpr = "",
 ):
     release_early(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
@@ -66,9 +67,10 @@ def _gemv_kernel(
         prefetch_l2(w_ptr + n0.to(tl.int64) * stride_wn, ((rows - 1) * stride_wn + K) * W_BYTES,
                     LINES)
     if EVEN_K:
-        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy=EVICT)
     else:
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0,
+                    eviction_policy=EVICT)
     wait_for_previous(USE_PDL)
     if ONE_ROW:
         # One row with K in one step: [BLOCK_N, BLOCK_K] products, which need not all be live at
@@ -97,11 +99,12 @@ def _gemv_kernel(
             w_ptrs += BLOCK_K
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy=EVICT)
             else:
                 k_ok = offs_k < K - k
                 x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                            eviction_policy=EVICT)
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         y = tl.sum(acc, axis=2)
         if HAS_BIAS:
@@ -144,5 +147,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
         PREFETCH=prefetch, W_BYTES=weight.element_size(),
         LINES=prefetch_lanes(warps), ONE_ROW=whole_k and envs.get("BASTION_GEMV_ONE_ROW"),
+        EVICT=evict_policy(x.device),
         num_warps=warps, launch_pdl=bool(pdl))
     return y

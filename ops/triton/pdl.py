@@ -83,6 +83,16 @@ def use_pdl(device: torch.device) -> int:
     return 2 if envs.get("BASTION_PDL_EARLY") else 1
 
 
+def evict_policy(device: torch.device) -> str:
+    """The L2 policy of a decode step's weight loads in the matrix-vector and MoE expert kernels:
+    ``evict_first``, since each is read once a step and should not push out what is read again
+    (the down kernel's prefetched rows, activations, the KV cache); Qwen3-30B-A3B at batch 1
+    on an H200: 333.8-342.9 ms a batch against 345.6-369.7 without (docs/BENCHMARKS.md, session
+    29). Off without programmatic launch (``BASTION_PDL=0``) and with
+    ``BASTION_L2_EVICT_FIRST=0``."""
+    return "evict_first" if use_pdl(device) and envs.get("BASTION_L2_EVICT_FIRST") else ""
+
+
 def use_prefetch(device: torch.device, num_bytes: int) -> bool:
     """Whether a weight-bound decode kernel reading ``num_bytes`` of weights prefetches them
     into L2 before its wait: only when the kernels before it let it start early, and only
