@@ -208,7 +208,7 @@ def test_attention_mixed_batch_runs_its_decode_rows_in_their_own_launch(
     )  # fmt: skip
     prefill_rows = mod.prefill_config().block_m
     seen = [(c["DECODE"], c["SKIP_DECODE_ROWS"], config.block_m) for config, c in launches]
-    assert seen == ([(False, True, prefill_rows), (True, False, mod.decode_config().block_m)]
+    assert seen == ([(False, True, prefill_rows), (True, False, mod.decode_config(3, 2).block_m)]
                     if split_mixed else [(False, False, prefill_rows)])
 
 
@@ -338,6 +338,19 @@ def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
         block_size=8, num_splits=None, num_pad_tokens=1, max_seq_len=4096,
     )  # fmt: skip
     assert _split_counts(launches) == [16]
+
+
+def test_attention_decode_tile_follows_the_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A few (sequence, KV head) programs take 32-key tiles in 2 stages; a grid past
+    # SMALL_DECODE_PROGRAMS takes the bandwidth-bound shape, 64 keys in 3 stages.
+    mod = _K["unified_attention"]
+    launches = _record_launches(monkeypatch)
+    for num_seqs in (2, mod.SMALL_DECODE_PROGRAMS // 2 + 1):
+        _check_attention(
+            q_lens=[1] * num_seqs, ctx_lens=[(7 * i) % 45 for i in range(num_seqs)],
+            num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, num_splits=1,
+        )  # fmt: skip
+    assert [(c.tile, c.num_stages) for c, _ in launches] == [(32, 2), (64, 3)]
 
 
 def test_attention_decode_auto_split_long_context(monkeypatch: pytest.MonkeyPatch) -> None:

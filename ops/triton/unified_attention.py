@@ -70,9 +70,18 @@ def _config(env: str, default: KernelConfig) -> KernelConfig:
                          f"{value!r}") from None
 
 
-def decode_config() -> KernelConfig:
-    # decode at 256 x 1.1k context: 319 us with 64-key tiles against 377 us with 32 (H200).
-    return _config("BASTION_DECODE_ATTENTION_CONFIG", KernelConfig(64, 4, 3, 16))
+# A decode grid of at most this many (sequence, KV head) programs takes SMALL_DECODE: its
+# programs are latency-bound (a handful of keys each after the split), not bandwidth-bound.
+SMALL_DECODE_PROGRAMS = 64
+
+
+def decode_config(num_seqs: int, num_kv_heads: int) -> KernelConfig:
+    # decode at 256 x 1.1k context: 319 us with 64-key tiles against 377 us with 32 (H200). A few
+    # sequences: Qwen3-30B-A3B at batch 1 (4 KV heads) 329.7-334.3 ms a batch with 32-key tiles
+    # and 2 stages against 335.3-339.7 with 64 and 3 (H200, docs/BENCHMARKS.md, session 29).
+    small = num_seqs * num_kv_heads <= SMALL_DECODE_PROGRAMS
+    return _config("BASTION_DECODE_ATTENTION_CONFIG",
+                   KernelConfig(32, 4, 2, 16) if small else KernelConfig(64, 4, 3, 16))
 
 
 def prefill_config() -> KernelConfig:
@@ -427,7 +436,8 @@ def paged_attention_triton(
     # softmax still do all 128 rows.
     split_decode = (not is_decode and envs.get("BASTION_SPLIT_MIXED_ATTENTION")
                     and bool(meta.query_start_loc_cpu) and meta.num_decode_seqs > 0)
-    main = config or (decode_config() if is_decode else prefill_config())
+    main = config or (decode_config(num_seqs, num_kv_heads) if is_decode
+                      else prefill_config())
     # Decode: one program per sequence. Otherwise an upper bound on the query blocks.
     num_q_blocks = (num_seqs if is_decode
                     else num_tokens // _block_q(main, num_q_per_kv) + num_seqs)
@@ -466,7 +476,8 @@ def paged_attention_triton(
     _launch((num_q_blocks, num_kv_heads, num_splits), main, args,
             DECODE=is_decode, SKIP_DECODE_ROWS=split_decode, **consts)
     if split_decode:
-        _launch((num_seqs, num_kv_heads, num_splits), config or decode_config(), args,
+        _launch((num_seqs, num_kv_heads, num_splits),
+                config or decode_config(meta.num_decode_seqs, num_kv_heads), args,
                 DECODE=True, SKIP_DECODE_ROWS=False, **consts)
     if num_splits > 1 and not fused_merge:
         merge_attention_splits_triton(out, part_out, part_ml, meta.query_start_loc, num_seqs)
