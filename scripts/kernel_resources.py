@@ -132,18 +132,19 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
                  "stride_k_off": 512, "stride_k_h": 128, "stride_v_blk": 8192,
                  "stride_v_off": 512, "stride_v_h": 128, "stride_bt": 2048}
     attn = {"NUM_Q_PER_KV": 8, "BLOCK_Q": 1, "BLOCK_M": 16, "HEAD_DIM": 128, "HEAD_PAD": 128,
-            "TILE": 64, "KV_BLOCK_SIZE": 16, "IEEE_DOT": False, "DECODE": True,
-            "SKIP_DECODE_ROWS": False, "USE_PDL": 2, "NUM_SPLITS": 8, "FUSED_MERGE": True}
+            "TILE": 32, "KV_BLOCK_SIZE": 16, "IEEE_DOT": False, "DECODE": True,
+            "SKIP_DECODE_ROWS": False, "USE_PDL": 2, "NUM_SPLITS": 16, "FUSED_MERGE": True}
     attn["BLOCK_Q"] = attn["BLOCK_M"] // attn["NUM_Q_PER_KV"]  # as the launcher's _block_q
     out = [("moe up 8x128 (the tuned batch-1 tile: 8 warps, 2 stages)", _moe_gemv_up_kernel,
-            up_args, {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "USE_PDL": 2},
+            up_args, {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "USE_PDL": 2,
+                      "EVICT": "evict_first"},
             {"num_warps": 8, "num_stages": 2, **pdl}),
            ("moe down 8x256 (4 warps, 2 stages)", _moe_gemv_down_kernel, down_args,
             {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2,
-             "PREFETCH": True, "W_BYTES": 2, "LINES": 128},
+             "PREFETCH": True, "W_BYTES": 2, "LINES": 128, "EVICT": "evict_first"},
             {"num_warps": 4, "num_stages": 2, **pdl})]
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
-            "W_BYTES": 2, "LINES": 128, "ONE_ROW": True}
+            "W_BYTES": 2, "LINES": 128, "ONE_ROW": True, "EVICT": "evict_first"}
     qkv_args = {**gemv_args, "N": 5120, "K": 2048, "stride_xm": 2048, "stride_wn": 2048,
                 "stride_ym": 5120}
     for name, fn_args, block_n, block_k in (("o-proj", gemv_args, 4, 4096),
@@ -151,8 +152,8 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
         out.append((f"gemv {name} whole K, {block_n} x {block_k}", _gemv_kernel, fn_args,
                     {**gemv, "BLOCK_N": block_n, "BLOCK_K": block_k},
                     {"num_warps": 4, **pdl}))
-    out.append(("attention decode, 8 splits", _unified_attention_kernel, attn_args, attn,
-                {"num_warps": 4, "num_stages": 3, **pdl}))
+    out.append(("attention decode, 16 splits of 32-key tiles", _unified_attention_kernel,
+                attn_args, attn, {"num_warps": 4, "num_stages": 2, **pdl}))
     norm_args = {"out_ptr": Ptr("bf16"), "new_res_ptr": Ptr("bf16"), "x_ptr": Ptr("bf16"),
                  "res_ptr": Ptr("bf16"), "weight_ptr": Ptr("bf16"), "stride_x": 2048,
                  "stride_res": 2048, "eps": 1e-6}
