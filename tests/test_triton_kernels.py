@@ -682,6 +682,17 @@ def test_moe_routing_matches_softmax_topk(num_experts: int, top_k: int, renormal
     torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
 
 
+def test_moe_routing_breaks_ties_towards_the_lower_expert() -> None:
+    """Equal probabilities go to the lowest expert ids first (torch.topk on the CPU makes no
+    such promise, so the reference cannot judge ties)."""
+    logits = torch.zeros(2, 16)
+    logits[0, [3, 9, 12]] = 2.0  # three tied leaders, then thirteen tied at 0
+    logits[1, [15, 0]] = 1.0
+    weights, ids = moe_routing_triton(logits, 4, False)
+    assert ids.tolist() == [[3, 9, 12, 0], [0, 15, 1, 2]]
+    assert weights[0, 0] == weights[0, 2] and weights[1, 2] == weights[1, 3]
+
+
 @pytest.mark.parametrize("num_tokens,num_real", [(1, 1), (1, 0), (37, 30)])
 def test_moe_routing_rows_past_the_real_tokens_choose_no_expert(num_tokens: int,
                                                                 num_real: int) -> None:

@@ -47,7 +47,7 @@ def _moe_routing_kernel(
     x = tl.exp(x - tl.max(x, axis=1)[:, None])
     probs = x / tl.sum(x, axis=1)[:, None]
     # Padding columns hold probability 0; a chosen expert is set to -1 so it is not chosen
-    # again. Ties go to the lowest expert id, as torch.topk does on equal values.
+    # again. Ties go to the lowest expert id (torch.topk on the CPU promises no order).
     probs = tl.where(mask, probs, -1.0)
     kcols = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
