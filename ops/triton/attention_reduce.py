@@ -23,7 +23,7 @@ def merge_splits(part_out_ptr, part_ml_ptr, first, row_ok, offs_d, ROWS: tl.cons
     partial row ``first`` [ROWS] (the splits follow it); only the first ``live`` splits wrote
     theirs. Partials are read from L2 (``.cg``): the fused merge reads what other programs of
     the same launch wrote. A row no split saw comes out 0."""
-    split = tl.zeros([ROWS], dtype=tl.int32)  # s + split: a split index as a tensor
+    split = tl.zeros([ROWS], dtype=tl.int32)  # split + s: a split index as a tensor
     m_all = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
         m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok & (split + s < live),
@@ -33,12 +33,13 @@ def merge_splits(part_out_ptr, part_ml_ptr, first, row_ok, offs_d, ROWS: tl.cons
     num = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
     den = tl.zeros([ROWS], dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok & (split + s < live),
-                      other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=row_ok & (split + s < live), other=0.0,
+        ok = row_ok & (split + s < live)
+        m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=ok, other=0.0,
                       cache_modifier=".cg")
         acc_s = tl.load(part_out_ptr + (first + s)[:, None] * HEAD_PAD + offs_d[None, :],
-                        mask=(row_ok & (split + s < live))[:, None], other=0.0, cache_modifier=".cg")
+                        mask=ok[:, None], other=0.0, cache_modifier=".cg")
         w = tl.exp2(m_s - m_all)
         num += acc_s * w[:, None]
         den += l_s * w
