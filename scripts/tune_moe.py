@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="intermediate size split over TP ranks")
     p.add_argument("--ep", type=int, default=1, help="experts split over EP ranks")
     p.add_argument("--tokens", type=int, nargs="*", default=TOKEN_COUNTS)
+    p.add_argument("--block-ms", type=int, nargs="+", default=[16, 32, 64, 128],
+                   help="the BLOCK_SIZE_Ms to try (e.g. 128 alone for prefill chunks)")
     p.add_argument("--iters", type=int, default=10, help="milliseconds of repeats per candidate")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--update", action="store_true",
@@ -226,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.tokens:
         uniform, hot = (RoutingCase(m, cfg.num_experts, w13, w2, top_k, h, bw)
                         for h in (False, True))
-        block_ms = [b for b in (16, 32, 64, 128)
-                    if b == 16 or m * top_k / num_experts >= b / 8]  # else all padding
+        block_ms = [b for b in args.block_ms
+                    if b == min(args.block_ms) or m * top_k / num_experts >= b / 8]  # else
+        # all padding
         results = {b: (uniform.best(b, args.iters), hot.best(b, args.iters)) for b in block_ms}
         best_u = min(r[0][0] for r in results.values())
         best_h = min(r[1][0] for r in results.values())
