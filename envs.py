@@ -119,13 +119,6 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_DOWN_PREFETCH": EnvVar(
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),
-    "BASTION_MOE_DOWN_ROW_MASK": EnvVar(
-        False, _flag, "1: the MoE down kernel masks its K bound and each pair's locality "
-        "apart, so its weight loads are 16 bytes wide instead of 2 (A/B runs)"),
-    "BASTION_MOE_UP_PREFETCH_DOWN": EnvVar(
-        -1, int, "S >= 0: the MoE up kernel's programs ask L2 for their shares of their "
-        "experts' down rows at K step S (A/B runs; -1, the default: only the down kernel "
-        "prefetches)"),
     "BASTION_L2_EVICT_FIRST": EnvVar(
         True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
         "weights with L2's normal priority instead of evict-first (A/B runs)"),

@@ -139,21 +139,10 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
             up_args, {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "USE_PDL": 2,
                       "EVICT": "evict_first"},
             {"num_warps": 8, "num_stages": 2, **pdl}),
-           ("moe up 8x128, asking L2 for its share of the down rows at K step 1",
-            _moe_gemv_up_kernel,
-            {**up_args, "w2_ptr": Ptr("bf16"), "down_bytes": 2048 * 768 * 2,
-             "stride_w2e": 2048 * 768},
-            {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "USE_PDL": 2, "EVICT": "evict_first",
-             "PREFETCH_AT": 1, "LINES": 256},
-            {"num_warps": 8, "num_stages": 2, **pdl})]
-    for block_k, row_mask in ((256, False), (256, True), (128, True), (64, True)):
-        mask = ", K and locality masked apart" if row_mask else ""
-        out.append((f"moe down 8x{block_k} (4 warps, 2 stages{mask})", _moe_gemv_down_kernel,
-                    down_args,
-                    {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": block_k,
-                     "USE_PDL": 2, "PREFETCH": True, "W_BYTES": 2, "LINES": 128,
-                     "EVICT": "evict_first", "ROW_MASK": row_mask},
-                    {"num_warps": 4, "num_stages": 2, **pdl}))
+           ("moe down 8x256 (4 warps, 2 stages)", _moe_gemv_down_kernel, down_args,
+            {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2,
+             "PREFETCH": True, "W_BYTES": 2, "LINES": 128, "EVICT": "evict_first"},
+            {"num_warps": 4, "num_stages": 2, **pdl})]
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
             "W_BYTES": 2, "LINES": 128, "ONE_ROW": True, "EVICT": "evict_first"}
     qkv_args = {**gemv_args, "N": 5120, "K": 2048, "stride_xm": 2048, "stride_wn": 2048,

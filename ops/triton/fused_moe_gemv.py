@@ -49,11 +49,6 @@ def _moe_gemv_up_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr = "",
-    PREFETCH_AT: tl.constexpr = -1,
-    w2_ptr=None,
-    down_bytes=0,
-    stride_w2e=0,
-    LINES: tl.constexpr = 1,
 ):
     # Released only after the wait: the down kernel reads the routing's ids before its own.
     wait_for_previous(USE_PDL, RELEASE=True)
@@ -72,13 +67,6 @@ def _moe_gemv_up_kernel(
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        if PREFETCH_AT >= 0:
-            if k == PREFETCH_AT * BLOCK_K:  # this program's share of the expert's down rows
-                share = tl.cdiv(tl.cdiv(down_bytes, tl.num_programs(1)), 128) * 128
-                start = tl.program_id(1) * share
-                rows = (w2_ptr + expert * stride_w2e).to(tl.pointer_type(tl.int8))
-                prefetch_l2(rows + start, tl.maximum(tl.minimum(share, down_bytes - start), 0),
-                            LINES)
         k_ok = offs_k < K - k
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
@@ -120,7 +108,6 @@ def _moe_gemv_down_kernel(
     W_BYTES: tl.constexpr,
     LINES: tl.constexpr,
     EVICT: tl.constexpr = "",
-    ROW_MASK: tl.constexpr = False,
 ):
     release_early(USE_PDL)
     # The token's k experts form the leading dim of one [k, BLOCK_N, BLOCK_K] tile, so every
@@ -152,7 +139,7 @@ def _moe_gemv_down_kernel(
     # The routing (two kernels back) has ended once the up kernel lets this one launch
     # (ops/triton/pdl.py): the ids and the first K step's weights are read before the wait
     # for the up kernel's products.
-    k_ok = _down_k_mask(offs_k, K, local, k_end, ROW_MASK)
+    k_ok = offs_k[None, :] < k_end[:, None]
     w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0,
                 eviction_policy=EVICT)
     wait_for_previous(USE_PDL)
@@ -161,24 +148,13 @@ def _moe_gemv_down_kernel(
     for k in range(BLOCK_K, K, BLOCK_K):
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        k_ok = _down_k_mask(offs_k, K - k, local, k_end - k, ROW_MASK)
+        k_ok = offs_k[None, :] < (k_end - k)[:, None]
         a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32) * weight[:, None]
         w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0,
                     eviction_policy=EVICT)
         acc += w.to(tl.float32) * a[:, None, :]
     out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + token * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _down_k_mask(offs_k, k_left, local, k_end, ROW_MASK: tl.constexpr):
-    """Which ``[k, BLOCK_K]`` columns of a K step the down kernel reads. With ``ROW_MASK``
-    the K bound and the pair's locality are masked apart (Triton then sees the mask constant
-    along K and loads 16 bytes at a time); else one bound a pair (0 for a pair on no local
-    expert), which it can only load 2 bytes at a time."""
-    if ROW_MASK:
-        return (offs_k[None, :] < k_left) & local[:, None]
-    return offs_k[None, :] < k_end[:, None]
 
 
 def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -211,7 +187,7 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl,
         EVICT=evict, num_warps=up["num_warps"], num_stages=up["num_stages"],
-        launch_pdl=bool(pdl), **_up_prefetch(hidden.device, w2, up, routed_bytes))
+        launch_pdl=bool(pdl))
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
@@ -220,22 +196,8 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         PREFETCH=(use_prefetch(hidden.device, routed_bytes)
                   and envs.get("BASTION_MOE_DOWN_PREFETCH")),
         W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]), EVICT=evict,
-        ROW_MASK=envs.get("BASTION_MOE_DOWN_ROW_MASK"),
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out
-
-
-def _up_prefetch(device: torch.device, w2: torch.Tensor, up: dict, routed_bytes: int) -> dict:
-    """``BASTION_MOE_UP_PREFETCH_DOWN=S``: the up kernel's programs ask L2 for their shares of
-    their experts' down rows at K step S (the down kernel's own prefetch can start only once
-    the up kernel's programs leave it room on the SMs); nothing at -1, the default."""
-    at = envs.get("BASTION_MOE_UP_PREFETCH_DOWN")
-    if at < 0 or not use_prefetch(device, routed_bytes):
-        return {}
-    steps = triton.cdiv(w2.shape[1], up["BLOCK_SIZE_K"])  # the up kernel's K is the hidden size
-    return {"PREFETCH_AT": min(at, steps - 1), "w2_ptr": w2, "stride_w2e": w2.stride(0),
-            "down_bytes": ((w2.shape[1] - 1) * w2.stride(1) + w2.shape[2]) * w2.element_size(),
-            "LINES": prefetch_lanes(up["num_warps"])}
 
 
 def _tiles(config: dict) -> tuple[dict, dict]:
