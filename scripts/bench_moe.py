@@ -42,7 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 from bench_latency import copy_bandwidth
-from bench_offline import make_workload
+from bench_offline import _time_device_waits, make_workload
 from kernel_timeline import format_timeline, kernels_of, layer_timeline
 
 
@@ -118,29 +118,87 @@ def touched(q: list[torch.Tensor], batch: int) -> float:
     return sum(float((1 - (1 - p.clamp(max=1)) ** batch).sum()) for p in q)
 
 
+def step_floor_bytes(prompt_lens: list[int], output_lens: list[int], mb: MoEBytes,
+                     q: list[torch.Tensor]) -> list[tuple[int, float]]:
+    """(sequences decoding, bytes) of each step of the ideal schedule: the whole prefill as one
+    step (0 sequences: its weights read once, its compute not counted), then one decode step
+    per token position."""
+    steps = [(0, mb.dense_per_step + touched(q, sum(prompt_lens)) * mb.per_expert)]
+    for s in range(1, max(output_lens)):
+        running = [(p, n) for p, n in zip(prompt_lens, output_lens) if n > s]
+        steps.append((len(running), mb.dense_per_step + touched(q, len(running)) * mb.per_expert
+                      + sum(p + s for p, _ in running) * mb.kv_per_token))
+    return steps
+
+
 def floor_bytes(prompt_lens: list[int], output_lens: list[int], mb: MoEBytes,
                 q: list[torch.Tensor]) -> float:
-    num_steps = max(output_lens)
-    total = mb.dense_per_step + touched(q, sum(prompt_lens)) * mb.per_expert  # the prefill
-    for s in range(1, num_steps):
-        running = [(p, n) for p, n in zip(prompt_lens, output_lens) if n > s]
-        total += mb.dense_per_step + touched(q, len(running)) * mb.per_expert
-        total += sum(p + s for p, _ in running) * mb.kv_per_token
-    return total
+    return sum(b for _, b in step_floor_bytes(prompt_lens, output_lens, mb, q))
 
 
-def offline(llm, name: str, work, mb: MoEBytes) -> tuple[str, float, list[int], list[int]]:
+PHASE_BATCHES = (192, 128, 64, 32, 16, 8, 2, 1)
+
+
+def phase_table(run: OfflineRun, mb: MoEBytes, q: list[torch.Tensor], bw: float) -> str:
+    """Where an offline run's time went against its floor, by phase: the prefill phase (the
+    steps until every sequence has its first token, decode steps of the early ones included;
+    its floor is the ideal prefill's one read of the weights), then the decode steps by how
+    many sequences they carried (floor: the ideal schedule's steps of as many). 'host ms' is
+    what a step's wall time did not spend waiting for its tokens."""
+    def bucket(batch: int) -> str:
+        return f"decode >= {next(b for b in PHASE_BATCHES if batch >= b):3d}"
+
+    floors: dict[str, list[float]] = {}
+    for batch, num_bytes in step_floor_bytes(run.prompt_lens, run.output_lens, mb, q):
+        row = floors.setdefault("prefill phase" if batch == 0 else bucket(batch), [0, 0.0])
+        row[0] += 1
+        row[1] += num_bytes / bw
+    measured: dict[str, list[float]] = {}
+    previous, prefilled = run.start, False
+    for batch, end, waited in run.steps:
+        key = bucket(batch) if prefilled else "prefill phase"
+        prefilled = prefilled or batch >= len(run.prompt_lens)  # every sequence has a token
+        row = measured.setdefault(key, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += end - previous
+        row[2] += waited
+        previous = end
+    lines = [f"{'phase':>14} {'steps':>6} {'seconds':>8} {'floor s':>8} {'of floor':>8} "
+             f"{'host ms':>8}"]
+    for key in ["prefill phase"] + [bucket(b) for b in PHASE_BATCHES]:
+        if key not in measured and key not in floors:
+            continue
+        n, wall, waited = measured.get(key, [0, 0.0, 0.0])
+        floor_s = floors.get(key, [0, 0.0])[1]
+        lines.append(f"{key:>14} {n:>6} {wall:>8.3f} {floor_s:>8.3f} "
+                     f"{floor_s / wall if wall else 0:>8.0%} "
+                     f"{(wall - waited) / max(n, 1) * 1e3:>8.2f}")
+    return "\n".join(lines)
+
+
+class OfflineRun(NamedTuple):
+    name: str
+    seconds: float
+    prompt_lens: list[int]
+    output_lens: list[int]
+    start: float  # perf_counter at the run's start
+    steps: list[tuple[int, float, float]]  # (sequences sampled, end, seconds waited) a step
+
+
+def offline(llm, name: str, work) -> OfflineRun:
     from bastion import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
               for n in work.max_tokens]
+    timer = _time_device_waits()
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     assert sum(len(o.outputs[0].token_ids) for o in outs) == work.num_output_tokens
-    return name, seconds, [len(p) for p in work.prompts], work.max_tokens
+    return OfflineRun(name, seconds, [len(p) for p in work.prompts], work.max_tokens, start,
+                      list(timer.steps))
 
 
 def profile_decode(llm, batch: int) -> None:
@@ -298,13 +356,13 @@ def main(argv: list[str] | None = None) -> int:
                  SamplingParams(max_tokens=8, ignore_eos=True))
     llm.engine.scheduler.kv.pool.reset_prefix_cache()
     mb = moe_bytes(args.model, torch.bfloat16)
-    rows: list[tuple[str, float, list[int], list[int]]] = []
+    rows: list[OfflineRun] = []
     if args.offline:
         rows.append(offline(llm, "offline 64 seqs, in U[100,512], out U[64,256]",
-                            make_workload(64, 100, 512, 64, 256, 0), mb))
+                            make_workload(64, 100, 512, 64, 256, 0)))
         llm.engine.scheduler.kv.pool.reset_prefix_cache()
         rows.append(offline(llm, "offline nano-vllm: 256 seqs, in/out U[100,1024]",
-                            make_workload(256, 100, 1024, 100, 1024, 0), mb))
+                            make_workload(256, 100, 1024, 100, 1024, 0)))
     latencies: list[tuple[int, list[float]]] = []
     if args.latency:
         rng = random.Random(0)
@@ -325,11 +383,13 @@ def main(argv: list[str] | None = None) -> int:
           f"at batch 1/8/64/256: "
           + "/".join(f"{touched(q, b) / len(q):.1f}" for b in (1, 8, 64, 256))
           + f" (counted in the census's decode steps of {args.census_batch}: {reached:.1f})")
-    for name, seconds, prompt_lens, output_lens in rows:
-        floor_s = floor_bytes(prompt_lens, output_lens, mb, q) / bw
-        num_out = sum(output_lens)
-        print(f"{name}: {num_out / seconds:,.0f} output tok/s ({seconds:.2f} s); floor "
-              f"{floor_s:.2f} s = {num_out / floor_s:,.0f} tok/s; {floor_s / seconds:.0%} of floor")
+    for run in rows:
+        floor_s = floor_bytes(run.prompt_lens, run.output_lens, mb, q) / bw
+        num_out = sum(run.output_lens)
+        print(f"{run.name}: {num_out / run.seconds:,.0f} output tok/s ({run.seconds:.2f} s); "
+              f"floor {floor_s:.2f} s = {num_out / floor_s:,.0f} tok/s; "
+              f"{floor_s / run.seconds:.0%} of floor")
+        print(phase_table(run, mb, q, bw))
     for batch, times, prefill_times in latencies:
         mean, prefill = statistics.mean(times), statistics.mean(prefill_times)
         floor_s = floor_bytes([32] * batch, [128] * batch, mb, q) / bw
