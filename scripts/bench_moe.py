@@ -163,8 +163,8 @@ def phase_table(run: OfflineRun, mb: MoEBytes, q: list[torch.Tensor], bw: float)
         row[1] += end - previous
         row[2] += waited
         previous = end
-    lines = [f"{'phase':>14} {'steps':>6} {'seconds':>8} {'floor s':>8} {'of floor':>8} "
-             f"{'host ms':>8}"]
+    lines = [(f"{'phase':>14} {'steps':>6} {'seconds':>8} {'floor s':>8} {'of floor':>8} "
+              f"{'host ms':>8}")]
     for key in ["prefill phase"] + [bucket(b) for b in PHASE_BATCHES]:
         if key not in measured and key not in floors:
             continue
