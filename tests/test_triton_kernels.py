@@ -816,6 +816,47 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
+def test_fused_moe_gemv_prefetch_next_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BASTION_MOE_PREFETCH_NEXT``: under programmatic launch the down kernel is given the
+    next weights (pointer and bytes) and when to ask L2 for its share of them (1 before its
+    wait, 2 after); 0, no hint or no programmatic launch give it nothing. (The prefetch is
+    inline PTX, which the interpreter cannot run: the launches are recorded, not run.)"""
+    from bastion.ops.triton import fused_moe_gemv as g
+
+    downs: list[dict] = []
+
+    class Recorder:
+        def __init__(self, into: list[dict] | None) -> None:
+            self.into = into
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.into is not None and self.into.append(kwargs)
+
+    monkeypatch.setattr(g, "_moe_gemv_up_kernel", Recorder(None))
+    monkeypatch.setattr(g, "_moe_gemv_down_kernel", Recorder(downs))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 48, generator=gen)
+    w13 = torch.randn(4, 2 * 24, 48, generator=gen)
+    w2 = torch.randn(4, 48, 24, generator=gen)
+    weights, ids = select_experts_ref(torch.randn(1, 4, generator=gen), 2, True)
+    following = torch.randn(40, 48, generator=gen).bfloat16()
+
+    def launch(mode: str, pdl: int, hint: torch.Tensor | None) -> dict:
+        monkeypatch.setenv("BASTION_MOE_PREFETCH_NEXT", mode)
+        monkeypatch.setattr(g, "use_pdl", lambda device: pdl)
+        g.fused_moe_gemv_triton(x, w13, w2, weights, ids.int(), 0, _GEMV_TILES, hint)
+        return {key: downs[-1].get(key) for key in ("PREFETCH_NEXT", "next_ptr", "next_bytes")}
+
+    for mode in (1, 2):
+        got = launch(str(mode), 2, following)
+        assert got["PREFETCH_NEXT"] == mode and got["next_ptr"] is following
+        assert got["next_bytes"] == 40 * 48 * 2
+    empty = {"PREFETCH_NEXT": None, "next_ptr": None, "next_bytes": None}
+    assert launch("0", 2, following) == empty
+    assert launch("1", 0, following) == empty
+    assert launch("1", 2, None) == empty
+
+
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [
     (1, 40, 96, 32, False), (1, 37, 100, 32, True), (2, 37, 80, 32, True), (3, 16, 64, 64, False),
     (4, 9, 100, 64, True)])
@@ -1000,7 +1041,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     norm, float32 router, routing, both expert kernels), distinct weights per layer, replayed
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
-    L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, give the same
+    L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, and with the
+    down kernel asking L2 for the next layer's QKV before or after its wait, give the same
     bits: only when kernels start and what L2 keeps may change."""
     from bastion.ops.linear import gemv
 
@@ -1019,18 +1061,21 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
 
     def step(x: torch.Tensor) -> torch.Tensor:
         res = torch.zeros_like(x)
-        for w in layers:
+        for i, w in enumerate(layers):
             h, res = fused_add_rms_norm_triton(x, res, w["norm"], 1e-6)
             qkv = gemv(h, w["qkv"])
             o = gemv(qkv[:, :4096].contiguous(), w["o"])
             h, res = fused_add_rms_norm_triton(o, res, w["norm2"], 1e-6)
             weights, ids = moe_routing_triton(gemv(h, w["router"], out_dtype=torch.float32),
                                               top_k, True)
-            x = fused_moe_triton(h, w["w13"], w["w2"], weights, ids)
+            x = fused_moe_triton(h, w["w13"], w["w2"], weights, ids,
+                                 l2_next=layers[i + 1]["qkv"] if i + 1 < len(layers) else None)
         return x + res
 
     outs = {}
-    for mode in ("off", "late", "early+prefetch", "early+prefetch, normal L2 priority"):
+    for mode in ("off", "late", "early+prefetch", "early+prefetch, normal L2 priority",
+                 "early+prefetch, next QKV 1", "early+prefetch, next QKV 2"):
+        monkeypatch.setenv("BASTION_MOE_PREFETCH_NEXT", mode[-1] if "next" in mode else "0")
         monkeypatch.setenv("BASTION_PDL", "0" if mode == "off" else "1")
         monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
         monkeypatch.setenv("BASTION_L2_PREFETCH", "1")
@@ -1047,6 +1092,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     assert torch.equal(outs["late"], outs["off"])
     assert torch.equal(outs["early+prefetch"], outs["off"])
     assert torch.equal(outs["early+prefetch, normal L2 priority"], outs["off"])
+    assert torch.equal(outs["early+prefetch, next QKV 1"], outs["off"])
+    assert torch.equal(outs["early+prefetch, next QKV 2"], outs["off"])
 
 
 @gpu
