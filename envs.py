@@ -119,6 +119,9 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_DOWN_PREFETCH": EnvVar(
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),
+    "BASTION_MOE_UP_AHEAD": EnvVar(
+        0, int, "D > 0: the MoE up kernel's programs (batch 1-2) ask L2 for their rows' K "
+        "step D ahead of the one they load (A/B runs; 0: not)"),
     "BASTION_MOE_PREFETCH_NEXT": EnvVar(
         0, int, "1: the MoE down kernel's programs (batch 1-2) ask L2 for their shares of the "
         "next layer's QKV weights before their wait; 2: after it; 0: not (A/B runs)"),

@@ -816,7 +816,7 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
-def test_fused_moe_gemv_prefetch_next_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_moe_gemv_prefetch_switches_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``BASTION_MOE_PREFETCH_NEXT``: under programmatic launch the down kernel is given the
     next weights (pointer and bytes) and when to ask L2 for its share of them (1 before its
     wait, 2 after); 0, no hint or no programmatic launch give it nothing. (The prefetch is
@@ -832,12 +832,13 @@ def test_fused_moe_gemv_prefetch_next_launch(monkeypatch: pytest.MonkeyPatch) ->
         def __getitem__(self, grid):
             return lambda *args, **kwargs: self.into is not None and self.into.append(kwargs)
 
-    monkeypatch.setattr(g, "_moe_gemv_up_kernel", Recorder(None))
+    ups: list[dict] = []
+    monkeypatch.setattr(g, "_moe_gemv_up_kernel", Recorder(ups))
     monkeypatch.setattr(g, "_moe_gemv_down_kernel", Recorder(downs))
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 48, generator=gen)
-    w13 = torch.randn(4, 2 * 24, 48, generator=gen)
-    w2 = torch.randn(4, 48, 24, generator=gen)
+    x = torch.randn(1, 128, generator=gen)
+    w13 = torch.randn(4, 2 * 24, 128, generator=gen)
+    w2 = torch.randn(4, 128, 24, generator=gen)
     weights, ids = select_experts_ref(torch.randn(1, 4, generator=gen), 2, True)
     following = torch.randn(40, 48, generator=gen).bfloat16()
 
@@ -855,6 +856,19 @@ def test_fused_moe_gemv_prefetch_next_launch(monkeypatch: pytest.MonkeyPatch) ->
     assert launch("0", 2, following) == empty
     assert launch("1", 0, following) == empty
     assert launch("1", 2, None) == empty
+    # BASTION_MOE_UP_AHEAD: the up kernel's prefetch distance and its lanes (a thread each);
+    # not for tiles of part lines, nor without programmatic launch.
+    assert "AHEAD" not in ups[-1]
+    tiles = {"up": {**_GEMV_TILES["up"], "BLOCK_SIZE_K": 64, "num_warps": 2},
+             "down": _GEMV_TILES["down"]}
+    monkeypatch.setenv("BASTION_MOE_UP_AHEAD", "4")
+    for tile_k, pdl, expected in ((64, 2, (4, 64)), (16, 2, None), (64, 0, None)):
+        monkeypatch.setattr(g, "use_pdl", lambda device, pdl=pdl: pdl)
+        tiles["up"]["BLOCK_SIZE_K"] = tile_k
+        g.fused_moe_gemv_triton(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights,
+                                ids.int(), 0, tiles)
+        got = (ups[-1]["AHEAD"], ups[-1]["LANES"]) if "AHEAD" in ups[-1] else None
+        assert got == expected, (tile_k, pdl)
 
 
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [
@@ -1042,7 +1056,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
     L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, and with the
-    down kernel asking L2 for the next layer's QKV before or after its wait, give the same
+    down kernel asking L2 for the next layer's QKV before or after its wait, and with the up
+    kernel asking L2 for the K step 4 ahead of its loads, give the same
     bits: only when kernels start and what L2 keeps may change."""
     from bastion.ops.linear import gemv
 
@@ -1074,8 +1089,10 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
 
     outs = {}
     for mode in ("off", "late", "early+prefetch", "early+prefetch, normal L2 priority",
-                 "early+prefetch, next QKV 1", "early+prefetch, next QKV 2"):
+                 "early+prefetch, next QKV 1", "early+prefetch, next QKV 2",
+                 "early+prefetch, up 4 ahead"):
         monkeypatch.setenv("BASTION_MOE_PREFETCH_NEXT", mode[-1] if "next" in mode else "0")
+        monkeypatch.setenv("BASTION_MOE_UP_AHEAD", "4" if "ahead" in mode else "0")
         monkeypatch.setenv("BASTION_PDL", "0" if mode == "off" else "1")
         monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
         monkeypatch.setenv("BASTION_L2_PREFETCH", "1")
@@ -1094,6 +1111,7 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     assert torch.equal(outs["early+prefetch, normal L2 priority"], outs["off"])
     assert torch.equal(outs["early+prefetch, next QKV 1"], outs["off"])
     assert torch.equal(outs["early+prefetch, next QKV 2"], outs["off"])
+    assert torch.equal(outs["early+prefetch, up 4 ahead"], outs["off"])
 
 
 @gpu

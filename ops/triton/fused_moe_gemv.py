@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from bastion import envs
-from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, prefetch_share_l2,
-                                   release_early, use_pdl, use_prefetch, wait_for_previous)
+from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, prefetch_lines_l2,
+                                   prefetch_share_l2, release_early, use_pdl, use_prefetch,
+                                   wait_for_previous)
 
 
 @triton.jit
@@ -49,6 +50,8 @@ def _moe_gemv_up_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr = "",
+    AHEAD: tl.constexpr = 0,
+    LANES: tl.constexpr = 32,
 ):
     # Released only after the wait: the down kernel reads the routing's ids before its own.
     wait_for_previous(USE_PDL, RELEASE=True)
@@ -66,7 +69,23 @@ def _moe_gemv_up_kernel(
     x_ptrs = x_ptr + token * stride_x + offs_k
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if AHEAD > 0:
+        # Each thread names one 128-byte line of a K step's gate and up rows (the 2 x BLOCK_N
+        # rows' lines cycled over the program's LANES threads).
+        lines_per_row: tl.constexpr = BLOCK_K // 64  # of bf16 / fp16 weights
+        lane = tl.arange(0, LANES) % (2 * BLOCK_N * lines_per_row)
+        row = lane // lines_per_row
+        row = tl.where(row < BLOCK_N, tl.program_id(1) * BLOCK_N + row,
+                       N + tl.program_id(1) * BLOCK_N + row - BLOCK_N)
+        row = tl.minimum(row, 2 * N - 1)
+        ahead_ptrs = (w13_ptr + expert * stride_we + row.to(tl.int64) * stride_wn
+                      + (lane % lines_per_row) * 64)
     for k in range(0, K, BLOCK_K):
+        if AHEAD > 0:
+            # Triton pipelines no loop without a dot and ptxas issues a step's loads only
+            # after the step before it is multiplied: one step in flight a program. The step
+            # AHEAD on is asked of L2 now (the last step again near the end).
+            prefetch_lines_l2(ahead_ptrs + tl.minimum(k + AHEAD * BLOCK_K, K - BLOCK_K))
         k_ok = offs_k < K - k
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
@@ -197,7 +216,7 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl,
         EVICT=evict, num_warps=up["num_warps"], num_stages=up["num_stages"],
-        launch_pdl=bool(pdl))
+        launch_pdl=bool(pdl), **_up_ahead(pdl, up, w13))
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
@@ -209,6 +228,17 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl),
         **_next_prefetch(pdl, l2_next))
     return out
+
+
+def _up_ahead(pdl: int, up: dict, w13: torch.Tensor) -> dict:
+    """``BASTION_MOE_UP_AHEAD=D``: the up kernel's programs ask L2 for their rows' K step D
+    ahead of the one they load (2-byte weights, tiles of whole 128-byte lines and K a
+    multiple of the tile: else nothing)."""
+    ahead = envs.get("BASTION_MOE_UP_AHEAD")
+    if (not ahead or not pdl or w13.element_size() != 2 or up["BLOCK_SIZE_K"] % 64
+            or w13.shape[2] % up["BLOCK_SIZE_K"]):
+        return {}
+    return {"AHEAD": ahead, "LANES": prefetch_lanes(up["num_warps"])}
 
 
 def _next_prefetch(pdl: int, l2_next: torch.Tensor | None) -> dict:

@@ -76,6 +76,14 @@ def prefetch_l2(base_ptr, num_bytes, LINES: tl.constexpr):
 
 
 @triton.jit
+def prefetch_lines_l2(ptrs):
+    """Ask L2 for the line holding each of ``ptrs`` (a tensor of pointers); a hint, as
+    ``prefetch_l2``."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def prefetch_share_l2(base_ptr, num_bytes, LINES: tl.constexpr):
     """``prefetch_l2`` of this program's share of ``num_bytes`` from ``base_ptr``: the bytes
     split over the (2-D) grid's programs in 128-byte lines, in program order."""
