@@ -122,6 +122,10 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_UP_AHEAD": EnvVar(
         0, int, "D > 0: the MoE up kernel's programs (batch 1-2) ask L2 for their rows' K "
         "step D ahead of the one they load (A/B runs; 0: not)"),
+    "BASTION_MOE_UP_DOT": EnvVar(
+        False, _flag, "1: the MoE up kernel (batch 1-2) computes its products as tensor-core "
+        "dots, so that Triton pipelines its weight loads over num_stages (A/B runs; needs an "
+        "up tile of 16 columns or more)"),
     "BASTION_MOE_PREFETCH_NEXT": EnvVar(
         0, int, "1: the MoE down kernel's programs (batch 1-2) ask L2 for their shares of the "
         "next layer's QKV weights before their wait; 2: after it; 0: not (A/B runs)"),

@@ -754,11 +754,15 @@ _GEMV_TILES = {"up": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4, "n
                "down": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 32, "num_warps": 4, "num_stages": 1}}
 
 
+@pytest.mark.parametrize("up_dot", [False, True])
 @pytest.mark.parametrize("num_experts,top_k,num_tokens", [
     (4, 1, 1), (8, 2, 1), (16, 8, 1), (8, 8, 3), (8, 2, 9)])
-def test_fused_moe_gemv_matches_reference(num_experts: int, top_k: int, num_tokens: int) -> None:
-    """The matrix-vector path: tiles that do not divide the sizes (masked columns and K),
+def test_fused_moe_gemv_matches_reference(monkeypatch: pytest.MonkeyPatch, num_experts: int,
+                                          top_k: int, num_tokens: int, up_dot: bool) -> None:
+    """The matrix-vector path (its up products elementwise, or as dots with
+    ``BASTION_MOE_UP_DOT``): tiles that do not divide the sizes (masked columns and K),
     one token, tokens sharing experts, and every expert chosen by some token (top-8 of 8)."""
+    monkeypatch.setenv("BASTION_MOE_UP_DOT", "1" if up_dot else "0")
     gen = torch.Generator().manual_seed(num_experts * 10 + top_k + num_tokens)
     hidden, inter = 72, 40
     x = torch.randn(num_tokens, hidden, generator=gen)
@@ -813,6 +817,11 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
                                atol=1e-5)
     monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=4,16")
     with pytest.raises(ValueError, match="BASTION_MOE_GEMV_CONFIG"):
+        fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
+    # The up products as dots need 16 columns a tile.
+    monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=8,16,2,1")
+    monkeypatch.setenv("BASTION_MOE_UP_DOT", "1")
+    with pytest.raises(ValueError, match="BASTION_MOE_UP_DOT needs an up tile of 16"):
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
@@ -990,11 +999,18 @@ def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("num_tokens", [1, 8, 256, 3000])
-def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(num_tokens: int) -> None:
+@pytest.mark.parametrize("num_tokens,up_dot", [(1, False), (1, True), (8, False), (256, False),
+                                              (3000, False)])
+def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(
+        monkeypatch: pytest.MonkeyPatch, num_tokens: int, up_dot: bool) -> None:
     """Qwen3-30B-A3B's expert shapes (128 experts of 768, hidden 2048, top-8) in bf16:
     routing, align and both products captured in one CUDA graph (no host sync anywhere) and
-    replayed on new inputs, against the reference on the same bf16 weights."""
+    replayed on new inputs, against the reference on the same bf16 weights; one token also
+    with the up products as pipelined dots (``BASTION_MOE_UP_DOT``, a 16x128 tile in 3
+    stages)."""
+    if up_dot:
+        monkeypatch.setenv("BASTION_MOE_UP_DOT", "1")
+        monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=16,128,4,3")
     dev = torch.device("cuda")
     num_experts, inter, hidden, top_k = 128, 768, 2048, 8
     gen = torch.Generator(device=dev).manual_seed(num_tokens)

@@ -52,6 +52,8 @@ def _moe_gemv_up_kernel(
     EVICT: tl.constexpr = "",
     AHEAD: tl.constexpr = 0,
     LANES: tl.constexpr = 32,
+    DOT: tl.constexpr = False,
+    IEEE: tl.constexpr = False,
 ):
     # Released only after the wait: the down kernel reads the routing's ids before its own.
     wait_for_previous(USE_PDL, RELEASE=True)
@@ -67,6 +69,11 @@ def _moe_gemv_up_kernel(
         + offs_k[None, :]
     up_ptrs = gate_ptrs + N * stride_wn
     x_ptrs = x_ptr + token * stride_x + offs_k
+    if DOT:
+        _up_dot(x_ptr + token * stride_x, w13_ptr + expert * stride_we,
+                act_ptr + pair.to(tl.int64) * stride_act, offs_n, n_ok, N, K, stride_wn,
+                BLOCK_N, BLOCK_K, EVICT, IEEE)
+        return
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if AHEAD > 0:
@@ -101,6 +108,44 @@ def _moe_gemv_up_kernel(
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n,
              act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _up_dot(x_row_ptr, w_ptr, act_row_ptr, offs_n, n_ok, N, K, stride_wn,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr,
+            IEEE: tl.constexpr):
+    """The up kernel's products as tensor-core dots (``BASTION_MOE_UP_DOT``), so that Triton
+    pipelines the weight loads over ``num_stages``: it pipelines only loads that feed a dot,
+    and the elementwise loop has one K step in flight a program. The token is row 0 of a
+    16-row operand whose other rows are zero, ``[16, BLOCK_K] @ [BLOCK_K, BLOCK_N]`` with the
+    expert's rows read K-contiguous as the grouped GEMM reads its B (``BLOCK_N`` >= 16); the
+    same products and sums as the elementwise form, in another order."""
+    rows = tl.arange(0, 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_row_ptr + rows[:, None] * 0 + offs_k[None, :]
+    gate_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + N * stride_wn
+    acc_gate = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k
+        x = tl.load(x_ptrs, mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        g = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT)
+        u = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT)
+        if IEEE:
+            acc_gate = tl.dot(x, g, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(x, u, acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(x, g, acc_gate)
+            acc_up = tl.dot(x, u, acc_up)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    gate = tl.sum(acc_gate, axis=0)  # rows 1-15 are exact zeros
+    up = tl.sum(acc_up, axis=0)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_row_ptr + offs_n, act.to(act_row_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -216,7 +261,7 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl,
         EVICT=evict, num_warps=up["num_warps"], num_stages=up["num_stages"],
-        launch_pdl=bool(pdl), **_up_ahead(pdl, up, w13))
+        launch_pdl=bool(pdl), **_up_ahead(pdl, up, w13), **_up_dot_args(up, hidden))
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
@@ -228,6 +273,17 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl),
         **_next_prefetch(pdl, l2_next))
     return out
+
+
+def _up_dot_args(up: dict, hidden: torch.Tensor) -> dict:
+    """``BASTION_MOE_UP_DOT=1``: the up products as dots (``_up_dot``); its tile needs 16
+    columns or more (``BASTION_MOE_GEMV_CONFIG='up=16,...'``)."""
+    if not envs.get("BASTION_MOE_UP_DOT"):
+        return {}
+    if up["BLOCK_SIZE_N"] < 16:
+        raise ValueError(f"BASTION_MOE_UP_DOT needs an up tile of 16 columns or more, not "
+                         f"{up['BLOCK_SIZE_N']} (BASTION_MOE_GEMV_CONFIG='up=16,...')")
+    return {"DOT": True, "IEEE": hidden.dtype == torch.float32}
 
 
 def _up_ahead(pdl: int, up: dict, w13: torch.Tensor) -> dict:
