@@ -126,9 +126,6 @@ VARIABLES: dict[str, EnvVar] = {
         False, _flag, "1: the MoE up kernel (batch 1-2) computes its products as tensor-core "
         "dots, so that Triton pipelines its weight loads over num_stages (A/B runs; needs an "
         "up tile of 16 columns or more)"),
-    "BASTION_MOE_PREFETCH_NEXT": EnvVar(
-        0, int, "1: the MoE down kernel's programs (batch 1-2) ask L2 for their shares of the "
-        "next layer's QKV weights before their wait; 2: after it; 0: not (A/B runs)"),
     "BASTION_L2_EVICT_FIRST": EnvVar(
         True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
         "weights with L2's normal priority instead of evict-first (A/B runs)"),

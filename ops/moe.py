@@ -14,8 +14,7 @@ from bastion.ops.activation import silu_and_mul_ref
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              expert_offset: int = 0, padding_only_unrouted: bool = False,
-              l2_next: torch.Tensor | None = None) -> torch.Tensor:
+              expert_offset: int = 0, padding_only_unrouted: bool = False) -> torch.Tensor:
     """Sum over each token's top-k experts of ``weight * w2_e(silu(gate_e x) * up_e x)``.
 
     ``w13`` [E_local, 2I, H] holds gate (first I rows) then up; ``w2`` [E_local, H, I].
@@ -23,14 +22,12 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     live here, the others (and negative ids: padding rows) contribute zero (expert parallelism
     sums partial results across ranks). ``padding_only_unrouted``: the caller holds every
     expert, so only padding rows (id -1) go unrouted and their output may be left undefined.
-    ``l2_next``: the weights the step reads after this layer (a prefetch hint; no effect on
-    the result).
     """
     if use_triton(hidden, w13):
         launcher = triton_launcher("fused_moe", "fused_moe_triton")
         if launcher is not None:
             return launcher(hidden, w13, w2, topk_weights, topk_ids, expert_offset,
-                            zero_unrouted=not padding_only_unrouted, l2_next=l2_next)
+                            zero_unrouted=not padding_only_unrouted)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, expert_offset)
 
 

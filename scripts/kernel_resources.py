@@ -149,13 +149,6 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
            ("moe down 8x256 (4 warps, 2 stages)", _moe_gemv_down_kernel, down_args,
             {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2,
              "PREFETCH": True, "W_BYTES": 2, "LINES": 128, "EVICT": "evict_first"},
-            {"num_warps": 4, "num_stages": 2, **pdl}),
-           ("moe down 8x256, asking L2 for its share of the next QKV before its wait",
-            _moe_gemv_down_kernel, {**down_args, "next_ptr": Ptr("bf16"),
-                                    "next_bytes": 5120 * 2048 * 2},
-            {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2,
-             "PREFETCH": True, "W_BYTES": 2, "LINES": 128, "EVICT": "evict_first",
-             "PREFETCH_NEXT": 1},
             {"num_warps": 4, "num_stages": 2, **pdl})]
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
             "W_BYTES": 2, "LINES": 128, "ONE_ROW": True, "EVICT": "evict_first"}

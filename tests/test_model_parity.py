@@ -19,7 +19,7 @@ from bastion.core.forward_context import build_attention_metadata, set_forward_c
 from bastion.core.loader import load_model, load_tokenizer, resolve_model
 from torch import nn
 
-from tests.conftest import TINY_ARCHITECTURES, build_tiny_hf_model, tiny_config
+from tests.conftest import TINY_ARCHITECTURES, build_tiny_hf_model
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -166,26 +166,6 @@ def test_qwen3_moe_loads_fused_expert_names() -> None:
     model.load_weights(hf_model.state_dict().items())
     expected = [hf_greedy(hf_model, p, 8) for p in TINY_PROMPTS]
     assert PagedDriver(model, block_size=8).generate(TINY_PROMPTS, 8, chunk=64) == expected
-
-
-def test_moe_layers_know_the_next_layers_qkv() -> None:
-    """Each MoE layer holds the next decoder layer's QKV projection as its L2 prefetch hint
-    (the last layer none), without registering it as a second parent's module: the model's
-    parameter names are those of the dense layout plus the experts. Off CUDA the hint gives
-    no tensor."""
-    from bastion.core.models.registry import get_model_class
-
-    config = tiny_config("qwen3_moe")
-    model = get_model_class("Qwen3MoeForCausalLM")(config, torch.float32)
-    layers = model.model.layers
-    sparse = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
-    assert sparse and sparse[-1] == len(layers) - 1  # the last layer's hint is tested too
-    hints = [layers[i].mlp.experts.l2_next for i in sparse]
-    assert [h.module if h else None for h in hints] == [
-        layers[i + 1].self_attn.qkv_proj if i + 1 < len(layers) else None for i in sparse]
-    assert hints[0].tensor() is None  # a CPU weight
-    assert not any(".l2_next" in name or "experts.module" in name
-                   for name, _ in model.named_parameters())
 
 
 def test_unknown_checkpoint_tensor_is_an_error() -> None:

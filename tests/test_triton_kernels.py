@@ -825,14 +825,14 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
-def test_fused_moe_gemv_prefetch_switches_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``BASTION_MOE_PREFETCH_NEXT``: under programmatic launch the down kernel is given the
-    next weights (pointer and bytes) and when to ask L2 for its share of them (1 before its
-    wait, 2 after); 0, no hint or no programmatic launch give it nothing. (The prefetch is
-    inline PTX, which the interpreter cannot run: the launches are recorded, not run.)"""
+def test_fused_moe_gemv_up_ahead_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BASTION_MOE_UP_AHEAD``: under programmatic launch the up kernel gets its prefetch
+    distance and its lanes (a thread each); not for tiles of part lines, nor without
+    programmatic launch, nor when unset. (The prefetch is inline PTX, which the interpreter
+    cannot run: the launches are recorded, not run.)"""
     from bastion.ops.triton import fused_moe_gemv as g
 
-    downs: list[dict] = []
+    ups: list[dict] = []
 
     class Recorder:
         def __init__(self, into: list[dict] | None) -> None:
@@ -841,43 +841,23 @@ def test_fused_moe_gemv_prefetch_switches_launch(monkeypatch: pytest.MonkeyPatch
         def __getitem__(self, grid):
             return lambda *args, **kwargs: self.into is not None and self.into.append(kwargs)
 
-    ups: list[dict] = []
     monkeypatch.setattr(g, "_moe_gemv_up_kernel", Recorder(ups))
-    monkeypatch.setattr(g, "_moe_gemv_down_kernel", Recorder(downs))
+    monkeypatch.setattr(g, "_moe_gemv_down_kernel", Recorder(None))
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 128, generator=gen)
-    w13 = torch.randn(4, 2 * 24, 128, generator=gen)
-    w2 = torch.randn(4, 128, 24, generator=gen)
+    x = torch.randn(1, 128, generator=gen).bfloat16()
+    w13 = torch.randn(4, 2 * 24, 128, generator=gen).bfloat16()
+    w2 = torch.randn(4, 128, 24, generator=gen).bfloat16()
     weights, ids = select_experts_ref(torch.randn(1, 4, generator=gen), 2, True)
-    following = torch.randn(40, 48, generator=gen).bfloat16()
-
-    def launch(mode: str, pdl: int, hint: torch.Tensor | None) -> dict:
-        monkeypatch.setenv("BASTION_MOE_PREFETCH_NEXT", mode)
-        monkeypatch.setattr(g, "use_pdl", lambda device: pdl)
-        g.fused_moe_gemv_triton(x, w13, w2, weights, ids.int(), 0, _GEMV_TILES, hint)
-        return {key: downs[-1].get(key) for key in ("PREFETCH_NEXT", "next_ptr", "next_bytes")}
-
-    for mode in (1, 2):
-        got = launch(str(mode), 2, following)
-        assert got["PREFETCH_NEXT"] == mode and got["next_ptr"] is following
-        assert got["next_bytes"] == 40 * 48 * 2
-    empty = {"PREFETCH_NEXT": None, "next_ptr": None, "next_bytes": None}
-    assert launch("0", 2, following) == empty
-    assert launch("1", 0, following) == empty
-    assert launch("1", 2, None) == empty
-    # BASTION_MOE_UP_AHEAD: the up kernel's prefetch distance and its lanes (a thread each);
-    # not for tiles of part lines, nor without programmatic launch.
-    assert "AHEAD" not in ups[-1]
     tiles = {"up": {**_GEMV_TILES["up"], "BLOCK_SIZE_K": 64, "num_warps": 2},
              "down": _GEMV_TILES["down"]}
-    monkeypatch.setenv("BASTION_MOE_UP_AHEAD", "4")
-    for tile_k, pdl, expected in ((64, 2, (4, 64)), (16, 2, None), (64, 0, None)):
+    for ahead, tile_k, pdl, expected in ((4, 64, 2, (4, 64)), (0, 64, 2, None),
+                                         (4, 16, 2, None), (4, 64, 0, None)):
+        monkeypatch.setenv("BASTION_MOE_UP_AHEAD", str(ahead))
         monkeypatch.setattr(g, "use_pdl", lambda device, pdl=pdl: pdl)
         tiles["up"]["BLOCK_SIZE_K"] = tile_k
-        g.fused_moe_gemv_triton(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights,
-                                ids.int(), 0, tiles)
+        g.fused_moe_gemv_triton(x, w13, w2, weights, ids.int(), 0, tiles)
         got = (ups[-1]["AHEAD"], ups[-1]["LANES"]) if "AHEAD" in ups[-1] else None
-        assert got == expected, (tile_k, pdl)
+        assert got == expected, (ahead, tile_k, pdl)
 
 
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [
@@ -1071,8 +1051,7 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     norm, float32 router, routing, both expert kernels), distinct weights per layer, replayed
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
-    L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, and with the
-    down kernel asking L2 for the next layer's QKV before or after its wait, and with the up
+    L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, and with the up
     kernel asking L2 for the K step 4 ahead of its loads, give the same
     bits: only when kernels start and what L2 keeps may change."""
     from bastion.ops.linear import gemv
@@ -1092,22 +1071,19 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
 
     def step(x: torch.Tensor) -> torch.Tensor:
         res = torch.zeros_like(x)
-        for i, w in enumerate(layers):
+        for w in layers:
             h, res = fused_add_rms_norm_triton(x, res, w["norm"], 1e-6)
             qkv = gemv(h, w["qkv"])
             o = gemv(qkv[:, :4096].contiguous(), w["o"])
             h, res = fused_add_rms_norm_triton(o, res, w["norm2"], 1e-6)
             weights, ids = moe_routing_triton(gemv(h, w["router"], out_dtype=torch.float32),
                                               top_k, True)
-            x = fused_moe_triton(h, w["w13"], w["w2"], weights, ids,
-                                 l2_next=layers[i + 1]["qkv"] if i + 1 < len(layers) else None)
+            x = fused_moe_triton(h, w["w13"], w["w2"], weights, ids)
         return x + res
 
     outs = {}
     for mode in ("off", "late", "early+prefetch", "early+prefetch, normal L2 priority",
-                 "early+prefetch, next QKV 1", "early+prefetch, next QKV 2",
                  "early+prefetch, up 4 ahead"):
-        monkeypatch.setenv("BASTION_MOE_PREFETCH_NEXT", mode[-1] if "next" in mode else "0")
         monkeypatch.setenv("BASTION_MOE_UP_AHEAD", "4" if "ahead" in mode else "0")
         monkeypatch.setenv("BASTION_PDL", "0" if mode == "off" else "1")
         monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
@@ -1125,8 +1101,6 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     assert torch.equal(outs["late"], outs["off"])
     assert torch.equal(outs["early+prefetch"], outs["off"])
     assert torch.equal(outs["early+prefetch, normal L2 priority"], outs["off"])
-    assert torch.equal(outs["early+prefetch, next QKV 1"], outs["off"])
-    assert torch.equal(outs["early+prefetch, next QKV 2"], outs["off"])
     assert torch.equal(outs["early+prefetch, up 4 ahead"], outs["off"])
 
 

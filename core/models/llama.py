@@ -9,7 +9,6 @@ from bastion.core.forward_context import get_forward_context
 from bastion.core.models.cpu_decode import FusedDecode
 from bastion.core.models.layers.activation import SiluAndMul
 from bastion.core.models.layers.attention import Attention
-from bastion.core.models.layers.fused_moe import link_next_weights
 from bastion.core.models.layers.layernorm import RMSNorm
 from bastion.core.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -99,7 +98,6 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        link_next_weights(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_decode = FusedDecode(self.layers, self.norm)
 

@@ -146,14 +146,12 @@ def fused_moe_gemm_triton(a: torch.Tensor, weight: torch.Tensor, out: torch.Tens
 
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
-                     config: dict | None = None, zero_unrouted: bool = True,
-                     l2_next: torch.Tensor | None = None) -> torch.Tensor:
+                     config: dict | None = None, zero_unrouted: bool = True) -> torch.Tensor:
     """The whole expert computation of ``bastion.ops.moe.fused_moe`` without a host sync:
     align, gate/up product with SiLU-and-mul, down product scaled by the routing weights, and
     the sum over each token's k choices. ``zero_unrouted``: pairs on no local expert (another
     rank's, or id -1) add zero; without it their tokens' rows are left undefined, which a
-    caller whose only such rows are padding may allow (it saves a fill of [T * k, H]).
-    ``l2_next``: the weights read next in the step, a hint the matrix-vector path may use."""
+    caller whose only such rows are padding may allow (it saves a fill of [T * k, H])."""
     from bastion.ops.moe_configs import get_moe_config
     from bastion.ops.triton.moe_align import moe_align_triton
     from bastion.ops.triton.moe_sum import moe_sum_triton
@@ -167,7 +165,7 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         from bastion.ops.triton.fused_moe_gemv import fused_moe_gemv_triton
 
         return fused_moe_gemv_triton(hidden, w13, w2, topk_weights, topk_ids, expert_offset,
-                                     config["gemv"], l2_next)
+                                     config["gemv"])
     sorted_ids, block_experts, num_sorted = moe_align_triton(
         topk_ids.contiguous(), config["BLOCK_SIZE_M"], num_local, expert_offset)
     num_pairs = num_tokens * top_k

@@ -27,8 +27,7 @@ import triton.language as tl
 
 from bastion import envs
 from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, prefetch_lines_l2,
-                                   prefetch_share_l2, release_early, use_pdl, use_prefetch,
-                                   wait_for_previous)
+                                   release_early, use_pdl, use_prefetch, wait_for_previous)
 
 
 @triton.jit
@@ -172,9 +171,6 @@ def _moe_gemv_down_kernel(
     W_BYTES: tl.constexpr,
     LINES: tl.constexpr,
     EVICT: tl.constexpr = "",
-    PREFETCH_NEXT: tl.constexpr = 0,
-    next_ptr=None,
-    next_bytes=0,
 ):
     release_early(USE_PDL)
     # The token's k experts form the leading dim of one [k, BLOCK_N, BLOCK_K] tile, so every
@@ -209,11 +205,7 @@ def _moe_gemv_down_kernel(
     k_ok = offs_k[None, :] < k_end[:, None]
     w = tl.load(w_ptrs, mask=k_ok[:, None, :] & n_ok[None, :, None], other=0.0,
                 eviction_policy=EVICT)
-    if PREFETCH_NEXT == 1:  # the next weights' share into L2 while the up kernel drains
-        prefetch_share_l2(next_ptr, next_bytes, LINES)
     wait_for_previous(USE_PDL)
-    if PREFETCH_NEXT == 2:  # or once it has ended
-        prefetch_share_l2(next_ptr, next_bytes, LINES)
     a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32) * weight[:, None]
     acc = w.to(tl.float32) * a[:, None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
@@ -230,13 +222,10 @@ def _moe_gemv_down_kernel(
 
 def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                          expert_offset: int, config: dict,
-                          l2_next: torch.Tensor | None = None) -> torch.Tensor:
+                          expert_offset: int, config: dict) -> torch.Tensor:
     """``bastion.ops.moe.fused_moe`` for a few tokens: ``config`` holds the ``up`` and ``down``
     tiles (``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``num_warps``, ``num_stages``). Every row of
-    the result is written; pairs on no local expert add zero. ``l2_next``: the weights the
-    step reads next (the next layer's QKV), which the down kernel's programs ask L2 for with
-    ``BASTION_MOE_PREFETCH_NEXT`` (see ``_next_prefetch``)."""
+    the result is written; pairs on no local expert add zero."""
     num_tokens, hidden_size = hidden.shape
     num_local, two_n, k_in = w13.shape
     inter, top_k = two_n // 2, topk_ids.shape[1]
@@ -270,8 +259,7 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         PREFETCH=(use_prefetch(hidden.device, routed_bytes)
                   and envs.get("BASTION_MOE_DOWN_PREFETCH")),
         W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]), EVICT=evict,
-        num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl),
-        **_next_prefetch(pdl, l2_next))
+        num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out
 
 
@@ -295,20 +283,6 @@ def _up_ahead(pdl: int, up: dict, w13: torch.Tensor) -> dict:
             or w13.shape[2] % up["BLOCK_SIZE_K"]):
         return {}
     return {"AHEAD": ahead, "LANES": prefetch_lanes(up["num_warps"])}
-
-
-def _next_prefetch(pdl: int, l2_next: torch.Tensor | None) -> dict:
-    """``BASTION_MOE_PREFETCH_NEXT``: 1, the down kernel's programs ask L2 for their shares of
-    ``l2_next`` before their wait (while the up kernel drains); 2, after it. At batch 1 the
-    down kernel holds the whole register file (two programs of 255 registers a SM), so the
-    next layer's QKV, launched early, cannot start its own preload until the down kernel
-    ends, while the down kernel's 25 MB leave the memory bus half idle (2.4 TB/s, session
-    29's timeline). 0 (the default) or without programmatic launch: nothing."""
-    mode = envs.get("BASTION_MOE_PREFETCH_NEXT")
-    if not mode or not pdl or l2_next is None:
-        return {}
-    return {"PREFETCH_NEXT": mode, "next_ptr": l2_next,
-            "next_bytes": l2_next.numel() * l2_next.element_size()}
 
 
 def _tiles(config: dict) -> tuple[dict, dict]:

@@ -83,17 +83,6 @@ def prefetch_lines_l2(ptrs):
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def prefetch_share_l2(base_ptr, num_bytes, LINES: tl.constexpr):
-    """``prefetch_l2`` of this program's share of ``num_bytes`` from ``base_ptr``: the bytes
-    split over the (2-D) grid's programs in 128-byte lines, in program order."""
-    pid = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-    share = tl.cdiv(tl.cdiv(num_bytes, tl.num_programs(0) * tl.num_programs(1)), 128) * 128
-    start = pid * share
-    prefetch_l2(base_ptr.to(tl.pointer_type(tl.int8)) + start,
-                tl.maximum(tl.minimum(share, num_bytes - start), 0), LINES)
-
-
 def use_pdl(device: torch.device) -> int:
     """How decode kernels on ``device`` launch: 0 without programmatic dependent launch,
     1 letting the next kernel launch after their wait, 2 as they start (see the module)."""

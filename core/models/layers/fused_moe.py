@@ -12,8 +12,6 @@ Two ways to split the experts over ranks:
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from bastion.core.forward_context import get_forward_context
 from bastion.ops.communicator import get_ep_group, get_tp_group
@@ -47,7 +45,6 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
-        self.l2_next: NextWeight | None = None  # set by link_next_weights
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str,
                       expert_id: int | None = None) -> None:
@@ -90,8 +87,7 @@ class FusedMoE(nn.Module):
         if self.ep.world_size == 1:
             # Padding rows' outputs are junk that no later op mixes into real rows.
             out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                            padding_only_unrouted=True,
-                            l2_next=self.l2_next.tensor() if self.l2_next else None)
+                            padding_only_unrouted=True)
             return self.tp.all_reduce(out)
         # NOTE: every EP rank runs the same number of rows (the DP group agreed on a padded
         # size for the step), so the gather and the reduce-scatter have static shapes and no
@@ -102,30 +98,3 @@ class FusedMoE(nn.Module):
                         self.ep.all_gather(topk_weights, dim=0),
                         self.ep.all_gather(topk_ids, dim=0), self.expert_offset)
         return self.ep.reduce_scatter(out, dim=0)
-
-
-class NextWeight:
-    """The weight a MoE layer's step reads next (the next decoder layer's QKV projection),
-    held without registering its module a second time; read at each forward, since loading
-    may replace a module's weight."""
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def tensor(self) -> torch.Tensor | None:
-        weight = getattr(self.module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.is_cuda and weight.is_contiguous():
-            return weight
-        return None
-
-
-def link_next_weights(layers: list[nn.Module]) -> None:
-    """Give each decoder layer's ``FusedMoE`` (``layer.mlp.experts``) the next layer's QKV
-    projection as its ``l2_next`` (a prefetch hint, ``ops/triton/fused_moe_gemv.py``)."""
-    for layer, following in itertools.pairwise(layers):
-        experts = getattr(layer.mlp, "experts", None)
-        qkv = getattr(getattr(following, "self_attn", None), "qkv_proj", None)
-        if isinstance(experts, FusedMoE) and qkv is not None:
-            experts.l2_next = NextWeight(qkv)
