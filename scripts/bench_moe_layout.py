@@ -7,7 +7,8 @@ products over a tiled copy of the weights in which each step's tile is one conti
 (``[E, N / BLOCK_N, K / BLOCK_K, (2,) BLOCK_N, BLOCK_K]``), and with a plain stream of the
 same bytes in the same number of programs. Every launch of a replayed graph routes one token
 to another 8 of the 128 experts, so the weights come from memory, not L2. Printed beside the
-floor (bytes over the copy bandwidth measured in the same run). Alone, the down kernel's
+floor (bytes over the copy bandwidth measured in the same run); and the up kernel's other
+forms (a K step ahead asked of L2, the products as pipelined dots). Alone, the down kernel's
 tiles read as stored stream at half the rate of tiled ones; inside the model its L2 prefetch
 during the up kernel hides that (session 27 in docs/BENCHMARKS.md).
 
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         fn(0)
         torch.cuda.synchronize()
         if not torch.allclose(ref.float(), a.float(), rtol=2e-2, atol=2e-2):
-            raise SystemExit(f"{what}: the tiled kernel differs from the standard one")
+            raise SystemExit(f"{what}: differs from the standard kernel")
 
     def measure(name, fn, num_bytes):
         us = time_graph([lambda i=i: fn(i) for i in range(args.sets)], args.replays)
@@ -208,6 +209,25 @@ def main(argv: list[str] | None = None) -> int:
             measure(f"{part} {bn}x{bk} {warps}w, rows as stored", std(bn, bk, warps), num_bytes)
             measure(f"{part} {bn}x{bk} {warps}w, tiled", tiled(bn, bk, warps, wt), num_bytes)
             del wt
+    # The up kernel's other forms over the weights as stored: its rows' K step D ahead asked
+    # of L2 (BASTION_MOE_UP_AHEAD), and its products as pipelined dots (BASTION_MOE_UP_DOT).
+    def up_form(bn, bk, warps, stages, consts):
+        def run(i):
+            _moe_gemv_up_kernel[(top_k, inter // bn)](
+                x, w13, act, ids[i], 0, e, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
+                act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=0,
+                LANES=32 * warps, num_warps=warps, num_stages=stages, **consts)
+        return run
+
+    forms = [(f"up 8x128 8w, K step {d} ahead asked of L2", (8, 128, 8, 2, {"AHEAD": d}))
+             for d in (2, 4, 8)]
+    forms += [(f"up as dots {bn}x{bk} {w}w {st} stages", (bn, bk, w, st, {"DOT": True}))
+              for bn, bk, w, st in ((16, 128, 4, 2), (16, 128, 4, 3), (16, 128, 4, 4),
+                                    (16, 64, 4, 6), (32, 128, 4, 3), (16, 256, 4, 3))]
+    for name, (bn, bk, warps, stages, consts) in forms:
+        up_std(8, 128, 8)(0)
+        check(act, up_form(bn, bk, warps, stages, consts), name)
+        measure(name, up_form(bn, bk, warps, stages, consts), up_bytes)
     # The same bytes as one contiguous stream per program, in as many programs.
     src = torch.empty(args.sets * up_bytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     sums = torch.empty(top_k * inter // 8, device=dev)
