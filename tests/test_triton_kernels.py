@@ -860,6 +860,44 @@ def test_fused_moe_gemv_up_ahead_launch(monkeypatch: pytest.MonkeyPatch) -> None
         assert got == expected, (ahead, tile_k, pdl)
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_fused_moe_gemv_up_ahead_asks_for_the_rows_k_steps_ahead(
+        monkeypatch: pytest.MonkeyPatch, ahead: int) -> None:
+    """``BASTION_MOE_UP_AHEAD``'s prefetch addresses (the inline PTX itself is replaced by a
+    recorder; the interpreter cannot run it): at each K step every program asks for the
+    128-byte lines of its gate and up rows at the step ``ahead`` on (the last step once past
+    the end), each line by some thread, nothing else, and the products are unchanged."""
+    from bastion.ops.triton import fused_moe_gemv as g
+
+    asked: list[set[int]] = []
+    monkeypatch.setattr(g, "prefetch_lines_l2",
+                        lambda ptrs: asked.append(set(ptrs.handle.data.tolist())))
+    num_experts, hidden, inter, bn, bk, warps = 4, 1024, 32, 8, 128, 2
+    gen = torch.Generator().manual_seed(ahead)
+    x = torch.randn(1, hidden, generator=gen).bfloat16()
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen).bfloat16()
+    ids = torch.tensor([[1, 3]], dtype=torch.int32)
+    act, ref = (torch.empty(2, inter, dtype=torch.bfloat16) for _ in range(2))
+    for out, consts in ((act, {"AHEAD": ahead, "LANES": 32 * warps}), (ref, {})):
+        g._moe_gemv_up_kernel[(2, inter // bn)](
+            x, w13, out, ids, 0, num_experts, inter, hidden, x.stride(0), w13.stride(0),
+            w13.stride(1), out.stride(0), TOP_K=2, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=0,
+            num_warps=warps, num_stages=1, **consts)
+    assert torch.equal(act, ref)
+    base, steps = w13.data_ptr(), hidden // bk
+    expected = []
+    for expert in (1, 3):
+        for block in range(inter // bn):
+            rows = [expert * 2 * inter + half * inter + block * bn + r
+                    for half in (0, 1) for r in range(bn)]
+            for step in range(steps):
+                col = min(step + ahead, steps - 1) * bk
+                expected.append({base + 2 * (row * hidden + col + line)
+                                 for row in rows for line in range(0, bk, 64)})
+    key = sorted  # the interpreter's program order is its own
+    assert sorted(map(key, asked)) == sorted(map(key, expected))
+
+
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [
     (1, 40, 96, 32, False), (1, 37, 100, 32, True), (2, 37, 80, 32, True), (3, 16, 64, 64, False),
     (4, 9, 100, 64, True)])
