@@ -866,12 +866,19 @@ def test_fused_moe_gemv_up_ahead_asks_for_the_rows_k_steps_ahead(
     """``BASTION_MOE_UP_AHEAD``'s prefetch addresses (the inline PTX itself is replaced by a
     recorder; the interpreter cannot run it): at each K step every program asks for the
     128-byte lines of its gate and up rows at the step ``ahead`` on (the last step once past
-    the end), each line by some thread, nothing else, and the products are unchanged."""
+    the end), each line by exactly one thread, nothing else, and the products are
+    unchanged."""
     from bastion.ops.triton import fused_moe_gemv as g
 
     asked: list[set[int]] = []
-    monkeypatch.setattr(g, "prefetch_lines_l2",
-                        lambda ptrs: asked.append(set(ptrs.handle.data.tolist())))
+    calls: list[list[int]] = []
+
+    def record(ptrs, active) -> None:
+        on = active.handle.data.astype(bool)
+        asked.append(set(ptrs.handle.data[on].tolist()))
+        calls.append(ptrs.handle.data[on].tolist())
+
+    monkeypatch.setattr(g, "prefetch_lines_l2", record)
     num_experts, hidden, inter, bn, bk, warps = 4, 1024, 32, 8, 128, 2
     gen = torch.Generator().manual_seed(ahead)
     x = torch.randn(1, hidden, generator=gen).bfloat16()
@@ -896,6 +903,7 @@ def test_fused_moe_gemv_up_ahead_asks_for_the_rows_k_steps_ahead(
                                  for row in rows for line in range(0, bk, 64)})
     key = sorted  # the interpreter's program order is its own
     assert sorted(map(key, asked)) == sorted(map(key, expected))
+    assert all(len(c) == len(set(c)) for c in calls)  # each line by one thread
 
 
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [

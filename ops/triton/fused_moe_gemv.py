@@ -76,10 +76,12 @@ def _moe_gemv_up_kernel(
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if AHEAD > 0:
-        # Each thread names one 128-byte line of a K step's gate and up rows (the 2 x BLOCK_N
-        # rows' lines cycled over the program's LANES threads).
+        # One thread names each 128-byte line of a K step's gate and up rows (the 2 x BLOCK_N
+        # rows' lines over the first of the program's LANES threads; the rest ask nothing).
         lines_per_row: tl.constexpr = BLOCK_K // 64  # of bf16 / fp16 weights
-        lane = tl.arange(0, LANES) % (2 * BLOCK_N * lines_per_row)
+        lane = tl.arange(0, LANES)
+        active = (lane < 2 * BLOCK_N * lines_per_row).to(tl.int32)  # one thread a line
+        lane = lane % (2 * BLOCK_N * lines_per_row)
         row = lane // lines_per_row
         row = tl.where(row < BLOCK_N, tl.program_id(1) * BLOCK_N + row,
                        N + tl.program_id(1) * BLOCK_N + row - BLOCK_N)
@@ -91,7 +93,8 @@ def _moe_gemv_up_kernel(
             # Triton pipelines no loop without a dot and ptxas issues a step's loads only
             # after the step before it is multiplied: one step in flight a program. The step
             # AHEAD on is asked of L2 now (the last step again near the end).
-            prefetch_lines_l2(ahead_ptrs + tl.minimum(k + AHEAD * BLOCK_K, K - BLOCK_K))
+            prefetch_lines_l2(ahead_ptrs + tl.minimum(k + AHEAD * BLOCK_K, K - BLOCK_K),
+                              active)
         k_ok = offs_k < K - k
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
