@@ -1098,7 +1098,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
     L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, and with the up
-    kernel asking L2 for the K step 4 ahead of its loads, give the same
+    kernel asking L2 for the K step 4 ahead of its loads (or computing its products as
+    dots, against itself without the overlap), give the same
     bits: only when kernels start and what L2 keeps may change."""
     from bastion.ops.linear import gemv
 
@@ -1129,9 +1130,11 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
 
     outs = {}
     for mode in ("off", "late", "early+prefetch", "early+prefetch, normal L2 priority",
-                 "early+prefetch, up 4 ahead"):
+                 "early+prefetch, up 4 ahead", "off, up as dots", "early+prefetch, up as dots"):
         monkeypatch.setenv("BASTION_MOE_UP_AHEAD", "4" if "ahead" in mode else "0")
-        monkeypatch.setenv("BASTION_PDL", "0" if mode == "off" else "1")
+        monkeypatch.setenv("BASTION_MOE_UP_DOT", "1" if "dots" in mode else "0")
+        monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=16,128,4,3" if "dots" in mode else "")
+        monkeypatch.setenv("BASTION_PDL", "0" if mode.startswith("off") else "1")
         monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
         monkeypatch.setenv("BASTION_L2_PREFETCH", "1")
         monkeypatch.setenv("BASTION_L2_EVICT_FIRST", "0" if "normal" in mode else "1")
@@ -1148,6 +1151,9 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     assert torch.equal(outs["early+prefetch"], outs["off"])
     assert torch.equal(outs["early+prefetch, normal L2 priority"], outs["off"])
     assert torch.equal(outs["early+prefetch, up 4 ahead"], outs["off"])
+    # The dots sum in another order than the elementwise products: the same bits as
+    # themselves without programmatic launch.
+    assert torch.equal(outs["early+prefetch, up as dots"], outs["off, up as dots"])
 
 
 @gpu

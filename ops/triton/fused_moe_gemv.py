@@ -76,18 +76,8 @@ def _moe_gemv_up_kernel(
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if AHEAD > 0:
-        # One thread names each 128-byte line of a K step's gate and up rows (the 2 x BLOCK_N
-        # rows' lines over the first of the program's LANES threads; the rest ask nothing).
-        lines_per_row: tl.constexpr = BLOCK_K // 64  # of bf16 / fp16 weights
-        lane = tl.arange(0, LANES)
-        active = (lane < 2 * BLOCK_N * lines_per_row).to(tl.int32)  # one thread a line
-        lane = lane % (2 * BLOCK_N * lines_per_row)
-        row = lane // lines_per_row
-        row = tl.where(row < BLOCK_N, tl.program_id(1) * BLOCK_N + row,
-                       N + tl.program_id(1) * BLOCK_N + row - BLOCK_N)
-        row = tl.minimum(row, 2 * N - 1)
-        ahead_ptrs = (w13_ptr + expert * stride_we + row.to(tl.int64) * stride_wn
-                      + (lane % lines_per_row) * 64)
+        ahead_ptrs, active = _up_step_lines(w13_ptr + expert * stride_we, N, stride_wn,
+                                            BLOCK_N, BLOCK_K, LANES)
     for k in range(0, K, BLOCK_K):
         if AHEAD > 0:
             # Triton pipelines no loop without a dot and ptxas issues a step's loads only
@@ -110,6 +100,23 @@ def _moe_gemv_up_kernel(
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n,
              act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _up_step_lines(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   LANES: tl.constexpr):
+    """The 128-byte lines of a program's first K step of gate and up rows (bf16 or fp16
+    weights from ``w_ptr``, one expert's ``[2N, K]``), one a thread over the first of
+    ``LANES`` threads: (pointers, 1 where the thread asks for its line, else 0)."""
+    lines_per_row: tl.constexpr = BLOCK_K // 64
+    lane = tl.arange(0, LANES)
+    active = (lane < 2 * BLOCK_N * lines_per_row).to(tl.int32)
+    lane = lane % (2 * BLOCK_N * lines_per_row)
+    row = lane // lines_per_row
+    row = tl.where(row < BLOCK_N, tl.program_id(1) * BLOCK_N + row,
+                   N + tl.program_id(1) * BLOCK_N + row - BLOCK_N)
+    row = tl.minimum(row, 2 * N - 1)
+    return w_ptr + row.to(tl.int64) * stride_wn + (lane % lines_per_row) * 64, active
 
 
 @triton.jit
