@@ -148,11 +148,10 @@ def phase_table(run: OfflineRun, mb: MoEBytes, q: list[torch.Tensor], bw: float)
     def bucket(batch: int) -> str:
         return f"decode >= {next(b for b in PHASE_BATCHES if batch >= b):3d}"
 
-    floors: dict[str, list[float]] = {}
+    floors: dict[str, float] = {}  # seconds
     for batch, num_bytes in step_floor_bytes(run.prompt_lens, run.output_lens, mb, q):
-        row = floors.setdefault("prefill phase" if batch == 0 else bucket(batch), [0, 0.0])
-        row[0] += 1
-        row[1] += num_bytes / bw
+        key = "prefill phase" if batch == 0 else bucket(batch)
+        floors[key] = floors.get(key, 0.0) + num_bytes / bw
     measured: dict[str, list[float]] = {}
     previous, prefilled = run.start, False
     for batch, end, waited in run.steps:
@@ -169,7 +168,7 @@ def phase_table(run: OfflineRun, mb: MoEBytes, q: list[torch.Tensor], bw: float)
         if key not in measured and key not in floors:
             continue
         n, wall, waited = measured.get(key, [0, 0.0, 0.0])
-        floor_s = floors.get(key, [0, 0.0])[1]
+        floor_s = floors.get(key, 0.0)
         lines.append(f"{key:>14} {n:>6} {wall:>8.3f} {floor_s:>8.3f} "
                      f"{floor_s / wall if wall else 0:>8.0%} "
                      f"{(wall - waited) / max(n, 1) * 1e3:>8.2f}")

@@ -228,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.tokens:
         uniform, hot = (RoutingCase(m, cfg.num_experts, w13, w2, top_k, h, bw)
                         for h in (False, True))
+        # The smallest block always; a larger one only where it is not all padding.
         block_ms = [b for b in args.block_ms
-                    if b == min(args.block_ms) or m * top_k / num_experts >= b / 8]  # else
-        # all padding
+                    if b == min(args.block_ms) or m * top_k / num_experts >= b / 8]
         results = {b: (uniform.best(b, args.iters), hot.best(b, args.iters)) for b in block_ms}
         best_u = min(r[0][0] for r in results.values())
         best_h = min(r[1][0] for r in results.values())

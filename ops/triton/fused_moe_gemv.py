@@ -63,16 +63,16 @@ def _moe_gemv_up_kernel(
     token = (pair // TOP_K).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    gate_ptrs = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
-        + offs_k[None, :]
-    up_ptrs = gate_ptrs + N * stride_wn
-    x_ptrs = x_ptr + token * stride_x + offs_k
     if DOT:
         _up_dot(x_ptr + token * stride_x, w13_ptr + expert * stride_we,
                 act_ptr + pair.to(tl.int64) * stride_act, offs_n, n_ok, N, K, stride_wn,
                 BLOCK_N, BLOCK_K, EVICT, IEEE)
         return
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_ptrs = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
+        + offs_k[None, :]
+    up_ptrs = gate_ptrs + N * stride_wn
+    x_ptrs = x_ptr + token * stride_x + offs_k
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if AHEAD > 0:
@@ -286,8 +286,9 @@ def _up_dot_args(up: dict, hidden: torch.Tensor) -> dict:
 
 def _up_ahead(pdl: int, up: dict, w13: torch.Tensor) -> dict:
     """``BASTION_MOE_UP_AHEAD=D``: the up kernel's programs ask L2 for their rows' K step D
-    ahead of the one they load (2-byte weights, tiles of whole 128-byte lines and K a
-    multiple of the tile: else nothing)."""
+    ahead of the one they load (under programmatic launch, as the other decode prefetches;
+    2-byte weights, tiles of whole 128-byte lines and K a multiple of the tile: else
+    nothing)."""
     ahead = envs.get("BASTION_MOE_UP_AHEAD")
     if (not ahead or not pdl or w13.element_size() != 2 or up["BLOCK_SIZE_K"] % 64
             or w13.shape[2] % up["BLOCK_SIZE_K"]):
