@@ -126,6 +126,18 @@ VARIABLES: dict[str, EnvVar] = {
         False, _flag, "1: the MoE up kernel (batch 1-2) computes its products as tensor-core "
         "dots, so that Triton pipelines its weight loads over num_stages (A/B runs; needs an "
         "up tile of 16 columns or more)"),
+    "BASTION_MOE_UP_SPLIT": EnvVar(
+        1, int, "S > 1: the MoE up kernel (a few tokens) spreads each tile's K over S programs "
+        "(more bytes in flight over the grid), the last to finish adding their partial sums "
+        "(A/B runs; 1: one program a tile)"),
+    "BASTION_MOE_UP_FOLD": EnvVar(
+        False, _flag, "1: the MoE up kernel's elementwise products (a few tokens) are folded "
+        "into a narrower float32 sum a step, with the token's columns read in the weights' "
+        "layout, so that a wider tile keeps 32 registers (A/B runs)"),
+    "BASTION_MOE_DOWN_DOT": EnvVar(
+        False, _flag, "1: the MoE down kernel (a few tokens) computes its products as tensor-core "
+        "dots, so that Triton pipelines its weight loads over num_stages (A/B runs; needs a "
+        "down tile of 16 columns or more)"),
     "BASTION_L2_EVICT_FIRST": EnvVar(
         True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
         "weights with L2's normal priority instead of evict-first (A/B runs)"),

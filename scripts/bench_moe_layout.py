@@ -8,7 +8,8 @@ products over a tiled copy of the weights in which each step's tile is one conti
 same bytes in the same number of programs. Every launch of a replayed graph routes one token
 to another 8 of the 128 experts, so the weights come from memory, not L2. Printed beside the
 floor (bytes over the copy bandwidth measured in the same run); and the up kernel's other
-forms (a K step ahead asked of L2, the products as pipelined dots). Alone, the down kernel's
+forms (a K step ahead asked of L2, the products as pipelined dots, folded into narrower sums,
+K over two programs) and the down kernel's products as pipelined dots. Alone, the down kernel's
 tiles read as stored stream at half the rate of tiled ones; inside the model its L2 prefetch
 during the up kernel hides that (session 27 in docs/BENCHMARKS.md).
 
@@ -210,13 +211,32 @@ def main(argv: list[str] | None = None) -> int:
             measure(f"{part} {bn}x{bk} {warps}w, tiled", tiled(bn, bk, warps, wt), num_bytes)
             del wt
     # The up kernel's other forms over the weights as stored: its rows' K step D ahead asked
-    # of L2 (BASTION_MOE_UP_AHEAD), and its products as pipelined dots (BASTION_MOE_UP_DOT).
+    # of L2 (BASTION_MOE_UP_AHEAD), its products as pipelined dots (BASTION_MOE_UP_DOT),
+    # folded into a narrower sum (BASTION_MOE_UP_FOLD), its K over S programs
+    # (BASTION_MOE_UP_SPLIT); and the down kernel's products as pipelined dots
+    # (BASTION_MOE_DOWN_DOT).
+    counts = torch.zeros(top_k * inter, dtype=torch.int32, device=dev)
+    part = torch.empty(top_k * 4 * 2 * inter, dtype=torch.float32, device=dev)
+
     def up_form(bn, bk, warps, stages, consts):
+        split = consts.get("SPLIT", 1)
+        extra = ({"part_ptr": part, "counts_ptr": counts, "k_split": h // split}
+                 if split > 1 else {})
+
         def run(i):
-            _moe_gemv_up_kernel[(top_k, inter // bn)](
+            _moe_gemv_up_kernel[(top_k, inter // bn, split)](
                 x, w13, act, ids[i], 0, e, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
                 act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=0,
-                LANES=32 * warps, num_warps=warps, num_stages=stages, **consts)
+                LANES=32 * warps, num_warps=warps, num_stages=stages, **consts, **extra)
+        return run
+
+    def down_form(bn, bk, warps, stages, consts):
+        def run(i):
+            _moe_gemv_down_kernel[(1, h // bn)](
+                act, w2, out, ids[i], weights, 0, e, h, inter, act.stride(0), w2.stride(0),
+                w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_TOPK=top_k, BLOCK_N=bn,
+                BLOCK_K=bk, USE_PDL=0, PREFETCH=False, W_BYTES=2, LINES=32 * warps,
+                num_warps=warps, num_stages=stages, **consts)
         return run
 
     forms = [(f"up 8x128 8w, K step {d} ahead asked of L2", (8, 128, 8, 2, {"AHEAD": d}))
@@ -224,10 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     forms += [(f"up as dots {bn}x{bk} {w}w {st} stages", (bn, bk, w, st, {"DOT": True}))
               for bn, bk, w, st in ((16, 128, 4, 2), (16, 128, 4, 3), (16, 128, 4, 4),
                                     (16, 64, 4, 6), (32, 128, 4, 3), (16, 256, 4, 3))]
+    forms += [(f"up folded {bn}x{bk} {w}w" + (f", K in {sp} programs" if sp > 1 else ""),
+               (bn, bk, w, 1, {"FOLD": min(8, bn * bk // (32 * w)), "SPLIT": sp}))
+              for bn, bk, w, sp in ((8, 128, 8, 1), (8, 256, 8, 1), (8, 256, 4, 1),
+                                    (8, 128, 4, 2), (8, 128, 8, 2), (8, 256, 8, 2))]
     for name, (bn, bk, warps, stages, consts) in forms:
         up_std(8, 128, 8)(0)
         check(act, up_form(bn, bk, warps, stages, consts), name)
         measure(name, up_form(bn, bk, warps, stages, consts), up_bytes)
+    for bn, bk, warps, stages in ((16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 4, 3),
+                                  (32, 64, 4, 3), (16, 64, 8, 4)):
+        name = f"down as dots {bn}x{bk} {warps}w {stages} stages"
+        down_std(8, 256, 4)(0)
+        check(out, down_form(bn, bk, warps, stages, {"DOT": True}), name)
+        measure(name, down_form(bn, bk, warps, stages, {"DOT": True}), down_bytes)
     # The same bytes as one contiguous stream per program, in as many programs.
     src = torch.empty(args.sets * up_bytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     sums = torch.empty(top_k * inter // 8, device=dev)

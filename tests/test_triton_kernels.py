@@ -28,6 +28,7 @@ from bastion.ops.layernorm import fused_add_rms_norm_ref, rms_norm_ref
 from bastion.ops.moe import fused_moe_ref, select_experts_ref
 from bastion.ops.moe_configs import grouped_moe_config
 from bastion.ops.rotary import apply_rotary_emb_ref
+from bastion.ops.triton.counters import counters_of
 
 _KERNEL_MODULES = [
     "bastion.ops.triton.attention_reduce",  # before unified_attention, which imports it
@@ -325,7 +326,7 @@ def test_attention_split_decode_merges_in_its_last_split_or_a_second_kernel(
         )  # fmt: skip
     assert len(merges) == (0 if fused else 2)
     if fused:
-        assert not mod._DONE_COUNTERS[CPU].any()
+        assert not counters_of("attention", CPU).any()
 
 
 def test_attention_decode_under_a_graph_bound_splits_into_mostly_empty_pieces(
@@ -754,15 +755,29 @@ _GEMV_TILES = {"up": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4, "n
                "down": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 32, "num_warps": 4, "num_stages": 1}}
 
 
-@pytest.mark.parametrize("up_dot", [False, True])
+# The matrix-vector path's forms (A/B switches): environment of each.
+_GEMV_FORMS = {
+    "elementwise": {},
+    "up dots": {"BASTION_MOE_UP_DOT": "1"},
+    "up K in 2 programs": {"BASTION_MOE_UP_SPLIT": "2"},  # 72 columns: 64 and 8
+    "up folded, K in 2 programs": {"BASTION_MOE_UP_FOLD": "1", "BASTION_MOE_UP_SPLIT": "2"},
+    "up folded": {"BASTION_MOE_UP_FOLD": "1"},
+    "up dots, K in 3 programs": {"BASTION_MOE_UP_DOT": "1", "BASTION_MOE_UP_SPLIT": "3"},
+    "down dots": {"BASTION_MOE_DOWN_DOT": "1", "BASTION_MOE_GEMV_CONFIG": "down=16,32,4,1"},
+}
+
+
+@pytest.mark.parametrize("form", list(_GEMV_FORMS))
 @pytest.mark.parametrize("num_experts,top_k,num_tokens", [
     (4, 1, 1), (8, 2, 1), (16, 8, 1), (8, 8, 3), (8, 2, 9)])
 def test_fused_moe_gemv_matches_reference(monkeypatch: pytest.MonkeyPatch, num_experts: int,
-                                          top_k: int, num_tokens: int, up_dot: bool) -> None:
-    """The matrix-vector path (its up products elementwise, or as dots with
-    ``BASTION_MOE_UP_DOT``): tiles that do not divide the sizes (masked columns and K),
-    one token, tokens sharing experts, and every expert chosen by some token (top-8 of 8)."""
-    monkeypatch.setenv("BASTION_MOE_UP_DOT", "1" if up_dot else "0")
+                                          top_k: int, num_tokens: int, form: str) -> None:
+    """The matrix-vector path in each of its forms (products elementwise or as dots, the up
+    kernel's K over several programs): tiles that do not divide the sizes (masked columns and
+    K, a K split shorter than the others), one token, tokens sharing experts, and every
+    expert chosen by some token (top-8 of 8). The K splits' counts are back at zero."""
+    for name, value in _GEMV_FORMS[form].items():
+        monkeypatch.setenv(name, value)
     gen = torch.Generator().manual_seed(num_experts * 10 + top_k + num_tokens)
     hidden, inter = 72, 40
     x = torch.randn(num_tokens, hidden, generator=gen)
@@ -773,6 +788,8 @@ def test_fused_moe_gemv_matches_reference(monkeypatch: pytest.MonkeyPatch, num_e
     out = fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
                                atol=1e-5)
+    if "BASTION_MOE_UP_SPLIT" in _GEMV_FORMS[form]:
+        assert not counters_of("moe_up", CPU).any()
 
 
 def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows() -> None:
@@ -821,7 +838,7 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
     # The up products as dots need 16 columns a tile.
     monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=8,16,2,1")
     monkeypatch.setenv("BASTION_MOE_UP_DOT", "1")
-    with pytest.raises(ValueError, match="BASTION_MOE_UP_DOT needs an up tile of 16"):
+    with pytest.raises(ValueError, match="BASTION_MOE_UP_DOT needs up tiles of 16"):
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
@@ -1023,20 +1040,30 @@ def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
     _check_attention(q_lens, ctx_lens, 16, 8, 128, 16, num_splits, torch.bfloat16, _DEV, atol=2e-2)
 
 
+# The batch-1 expert kernels' A/B forms at Qwen3-30B-A3B's shapes on the GPU: environment of
+# each (the tiles they would be tried in).
+_GPU_GEMV_FORMS = {
+    "elementwise": {},
+    "up dots": {"BASTION_MOE_UP_DOT": "1", "BASTION_MOE_GEMV_CONFIG": "up=16,128,4,3"},
+    "up folded 8x256": {"BASTION_MOE_UP_FOLD": "1", "BASTION_MOE_GEMV_CONFIG": "up=8,256,8,1"},
+    "up folded, K in 2 programs": {"BASTION_MOE_UP_FOLD": "1", "BASTION_MOE_UP_SPLIT": "2",
+                                   "BASTION_MOE_GEMV_CONFIG": "up=8,128,4,1"},
+    "down dots": {"BASTION_MOE_DOWN_DOT": "1", "BASTION_MOE_GEMV_CONFIG": "down=16,64,4,4"},
+}
+
+
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("num_tokens,up_dot", [(1, False), (1, True), (8, False), (256, False),
-                                              (3000, False)])
+@pytest.mark.parametrize("num_tokens,form", [(1, form) for form in _GPU_GEMV_FORMS]
+                         + [(8, "elementwise"), (256, "elementwise"), (3000, "elementwise")])
 def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(
-        monkeypatch: pytest.MonkeyPatch, num_tokens: int, up_dot: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, num_tokens: int, form: str) -> None:
     """Qwen3-30B-A3B's expert shapes (128 experts of 768, hidden 2048, top-8) in bf16:
     routing, align and both products captured in one CUDA graph (no host sync anywhere) and
     replayed on new inputs, against the reference on the same bf16 weights; one token also
-    with the up products as pipelined dots (``BASTION_MOE_UP_DOT``, a 16x128 tile in 3
-    stages)."""
-    if up_dot:
-        monkeypatch.setenv("BASTION_MOE_UP_DOT", "1")
-        monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=16,128,4,3")
+    in each A/B form of the matrix-vector kernels (``_GPU_GEMV_FORMS``)."""
+    for name, value in _GPU_GEMV_FORMS[form].items():
+        monkeypatch.setenv(name, value)
     dev = torch.device("cuda")
     num_experts, inter, hidden, top_k = 128, 768, 2048, 8
     gen = torch.Generator(device=dev).manual_seed(num_tokens)
@@ -1098,9 +1125,9 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
     L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, and with the up
-    kernel asking L2 for the K step 4 ahead of its loads (or computing its products as
-    dots, against itself without the overlap), give the same
-    bits: only when kernels start and what L2 keeps may change."""
+    kernel asking L2 for the K step 4 ahead of its loads (or in each other A/B form of the
+    matrix-vector kernels, against itself without the overlap), give the same bits: only
+    when kernels start and what L2 keeps may change."""
     from bastion.ops.linear import gemv
 
     dev = torch.device("cuda")
@@ -1129,11 +1156,15 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
         return x + res
 
     outs = {}
-    for mode in ("off", "late", "early+prefetch", "early+prefetch, normal L2 priority",
-                 "early+prefetch, up 4 ahead", "off, up as dots", "early+prefetch, up as dots"):
+    forms = [f for f in _GPU_GEMV_FORMS if f != "elementwise"]
+    modes = dict.fromkeys(("off", "late", "early+prefetch", "early+prefetch, normal L2 priority",
+                           "early+prefetch, up 4 ahead"), "elementwise")
+    modes.update({f"{when}, {form}": form for form in forms for when in ("off", "early+prefetch")})
+    for mode, form in modes.items():
+        for name in ("BASTION_MOE_UP_DOT", "BASTION_MOE_UP_FOLD", "BASTION_MOE_UP_SPLIT",
+                     "BASTION_MOE_DOWN_DOT", "BASTION_MOE_GEMV_CONFIG"):
+            monkeypatch.setenv(name, _GPU_GEMV_FORMS[form].get(name, ""))
         monkeypatch.setenv("BASTION_MOE_UP_AHEAD", "4" if "ahead" in mode else "0")
-        monkeypatch.setenv("BASTION_MOE_UP_DOT", "1" if "dots" in mode else "0")
-        monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=16,128,4,3" if "dots" in mode else "")
         monkeypatch.setenv("BASTION_PDL", "0" if mode.startswith("off") else "1")
         monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
         monkeypatch.setenv("BASTION_L2_PREFETCH", "1")
@@ -1151,9 +1182,11 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     assert torch.equal(outs["early+prefetch"], outs["off"])
     assert torch.equal(outs["early+prefetch, normal L2 priority"], outs["off"])
     assert torch.equal(outs["early+prefetch, up 4 ahead"], outs["off"])
-    # The dots sum in another order than the elementwise products: the same bits as
-    # themselves without programmatic launch.
-    assert torch.equal(outs["early+prefetch, up as dots"], outs["off, up as dots"])
+    # The other forms sum in another order than the elementwise products (the K splits in
+    # split order, whichever program finishes last): the same bits as themselves without
+    # programmatic launch.
+    for form in forms:
+        assert torch.equal(outs[f"early+prefetch, {form}"], outs[f"off, {form}"]), form
 
 
 @gpu

@@ -26,6 +26,7 @@ from triton.runtime.errors import OutOfResources
 
 from bastion import envs
 from bastion.ops.triton.attention_reduce import merge_attention_splits_triton, merge_splits
+from bastion.ops.triton.counters import zeroed_counters
 from bastion.ops.triton.pdl import release_early, use_pdl, wait_for_previous
 
 if TYPE_CHECKING:
@@ -291,20 +292,6 @@ def _unified_attention_kernel(
 # batch's decode rows in the prefill launch; BASTION_FUSED_SPLIT_MERGE=0 merges a split decode
 # in a second kernel instead of in its last split's program.
 
-# Per device: the zeroed counters of the fused merge; they return to zero after every launch.
-_DONE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _done_counters(device: torch.device, needed: int) -> torch.Tensor:
-    done = _DONE_COUNTERS.get(device)
-    if done is None or done.numel() < needed:
-        # NOTE: the largest decode graph is warmed up (eagerly) before any capture, so the
-        # buffer a graph holds is never replaced.
-        done = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
-        _DONE_COUNTERS[device] = done
-    return done
-
-
 # Launch shapes that did not fit this GPU -> the smaller shape that did.
 _FITTED: dict[KernelConfig, KernelConfig] = {}
 
@@ -462,8 +449,8 @@ def paged_attention_triton(
     else:
         part_out = part_ml = out  # unused by the kernel
     fused_merge = num_splits > 1 and envs.get("BASTION_FUSED_SPLIT_MERGE")
-    done = (_done_counters(query.device, num_q_blocks * num_kv_heads) if fused_merge
-            else part_ml)
+    done = (zeroed_counters("attention", query.device, num_q_blocks * num_kv_heads)
+            if fused_merge else part_ml)
     args = (out, part_out, part_ml, done, query, k_cache, v_cache, bt, meta.seq_lens,
             meta.query_start_loc, scale * _LOG2E, num_seqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
