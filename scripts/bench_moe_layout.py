@@ -262,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     src = torch.empty(args.sets * up_bytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     sums = torch.empty(top_k * inter // 8, device=dev)
     per = up_bytes // 2 // sums.numel()
-    for step in (1024, 2048):
+    # Steps of 1-2k elements hold what the up kernel holds in flight a program (2-4 KB);
+    # 4-8k, what its folded 8x256 tile and more would.
+    for step in (1024, 2048, 4096, 8192):
         measure(f"stream, {sums.numel()} programs of {per * 2 // 1024} KB, {step * 2} B steps",
                 lambda i, s=step: _stream_kernel[(sums.numel(),)](
                     src[i * (up_bytes // 2):], sums, per, STEP=s, num_warps=8), up_bytes)

@@ -1,7 +1,7 @@
 """Registers and spills of the decode kernels, compiled for an H100/H200 (sm_90) on a machine
 with no GPU: Triton lowers each kernel to PTX and the ptxas in its wheel to a cubin, whose
 resource usage cuobjdump reads. A kernel at 255 registers with a stack is spilling, and fewer
-programs fit a SM as registers grow; neither needs device time to see.
+programs fit a SM as registers (or shared memory) grow; neither needs device time to see.
 
     python scripts/kernel_resources.py               # Qwen3-30B-A3B's batch-1 decode kernels
     python scripts/kernel_resources.py --ptx /tmp/p  # also each variant's PTX, to read loops
@@ -225,10 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         wide = len(re.findall(r"ld\.global[.\w:]*\.v4\.b32", ptx))
         narrow = len(re.findall(r"ld\.global[.\w:]*\.b16", ptx))
         threads = 32 * options["num_warps"]
-        per_sm = min(65536 // (regs * threads), 64 // options["num_warps"])
-        print(f"{name}: {regs} registers, {stack} B stack{' (spills)' if stack else ''}; "
-              f"{per_sm} programs a SM by registers and warps; loads in the PTX: {wide} of 16 "
-              f"bytes, {narrow} of 2")
+        shared = kernel.metadata.shared
+        # An H100/H200 SM: 64k registers, 64 warps, 228 KB of shared memory (1 KB a program
+        # reserved by the driver).
+        per_sm = min(65536 // (regs * threads), 64 // options["num_warps"],
+                     228 * 1024 // (shared + 1024))
+        print(f"{name}: {regs} registers, {stack} B stack{' (spills)' if stack else ''}, "
+              f"{shared // 1024} KB shared; {per_sm} programs a SM by registers, warps and "
+              f"shared memory; loads in the PTX: {wide} of 16 bytes, {narrow} of 2")
         if args.order:
             print(f"    {sass_order(kernel.asm['cubin'])}")
         if args.ptx:
