@@ -134,6 +134,10 @@ VARIABLES: dict[str, EnvVar] = {
         False, _flag, "1: the MoE up kernel's elementwise products (a few tokens) are folded "
         "into a narrower float32 sum a step, with the token's columns read in the weights' "
         "layout, so that a wider tile keeps 32 registers (A/B runs)"),
+    "BASTION_MOE_UP_RELEASE_AT_END": EnvVar(
+        False, _flag, "1: the MoE up kernel (a few tokens) lets the down kernel launch only as "
+        "each of its programs ends, not after its wait, so that a down kernel with few "
+        "registers does not start beside it (A/B runs, with BASTION_MOE_DOWN_DOT)"),
     "BASTION_MOE_DOWN_DOT": EnvVar(
         False, _flag, "1: the MoE down kernel (a few tokens) computes its products as tensor-core "
         "dots, so that Triton pipelines its weight loads over num_stages (A/B runs; needs a "

@@ -845,8 +845,9 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
 def test_fused_moe_gemv_up_ahead_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``BASTION_MOE_UP_AHEAD``: under programmatic launch the up kernel gets its prefetch
     distance and its lanes (a thread each); not for tiles of part lines, nor without
-    programmatic launch, nor when unset. (The prefetch is inline PTX, which the interpreter
-    cannot run: the launches are recorded, not run.)"""
+    programmatic launch, nor when unset. ``BASTION_MOE_UP_RELEASE_AT_END`` likewise only
+    under programmatic launch. (The prefetch is inline PTX, which the interpreter cannot
+    run: the launches are recorded, not run.)"""
     from bastion.ops.triton import fused_moe_gemv as g
 
     ups: list[dict] = []
@@ -875,6 +876,14 @@ def test_fused_moe_gemv_up_ahead_launch(monkeypatch: pytest.MonkeyPatch) -> None
         g.fused_moe_gemv_triton(x, w13, w2, weights, ids.int(), 0, tiles)
         got = (ups[-1]["AHEAD"], ups[-1]["LANES"]) if "AHEAD" in ups[-1] else None
         assert got == expected, (ahead, tile_k, pdl)
+    # BASTION_MOE_UP_RELEASE_AT_END: the down kernel is let launch at the up kernel's end,
+    # only under programmatic launch.
+    for release, pdl, expected in (("1", 2, True), ("1", 1, True), ("1", 0, False),
+                                   ("0", 2, False)):
+        monkeypatch.setenv("BASTION_MOE_UP_RELEASE_AT_END", release)
+        monkeypatch.setattr(g, "use_pdl", lambda device, pdl=pdl: pdl)
+        g.fused_moe_gemv_triton(x, w13, w2, weights, ids.int(), 0, tiles)
+        assert ups[-1]["RELEASE_AT_END"] is expected, (release, pdl)
 
 
 @pytest.mark.parametrize("ahead", [1, 3])
@@ -1049,6 +1058,9 @@ _GPU_GEMV_FORMS = {
     "up folded, K in 2 programs": {"BASTION_MOE_UP_FOLD": "1", "BASTION_MOE_UP_SPLIT": "2",
                                    "BASTION_MOE_GEMV_CONFIG": "up=8,128,4,1"},
     "down dots": {"BASTION_MOE_DOWN_DOT": "1", "BASTION_MOE_GEMV_CONFIG": "down=16,64,4,4"},
+    "down dots, launched at the up kernel's end": {
+        "BASTION_MOE_DOWN_DOT": "1", "BASTION_MOE_UP_RELEASE_AT_END": "1",
+        "BASTION_MOE_GEMV_CONFIG": "down=16,64,4,4"},
 }
 
 
@@ -1161,8 +1173,7 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
                            "early+prefetch, up 4 ahead"), "elementwise")
     modes.update({f"{when}, {form}": form for form in forms for when in ("off", "early+prefetch")})
     for mode, form in modes.items():
-        for name in ("BASTION_MOE_UP_DOT", "BASTION_MOE_UP_FOLD", "BASTION_MOE_UP_SPLIT",
-                     "BASTION_MOE_DOWN_DOT", "BASTION_MOE_GEMV_CONFIG"):
+        for name in {name for env in _GPU_GEMV_FORMS.values() for name in env}:
             monkeypatch.setenv(name, _GPU_GEMV_FORMS[form].get(name, ""))
         monkeypatch.setenv("BASTION_MOE_UP_AHEAD", "4" if "ahead" in mode else "0")
         monkeypatch.setenv("BASTION_PDL", "0" if mode.startswith("off") else "1")

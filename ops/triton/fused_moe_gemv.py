@@ -28,7 +28,8 @@ import triton.language as tl
 from bastion import envs
 from bastion.ops.triton.counters import zeroed_counters
 from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, prefetch_lines_l2,
-                                   release_early, use_pdl, use_prefetch, wait_for_previous)
+                                   release_early, release_now, use_pdl, use_prefetch,
+                                   wait_for_previous)
 
 
 @triton.jit
@@ -56,12 +57,16 @@ def _moe_gemv_up_kernel(
     IEEE: tl.constexpr = False,
     SPLIT: tl.constexpr = 1,
     FOLD: tl.constexpr = 0,
+    RELEASE_AT_END: tl.constexpr = False,
     part_ptr=None,
     counts_ptr=None,
     k_split=0,
 ):
     # Released only after the wait: the down kernel reads the routing's ids before its own.
-    wait_for_previous(USE_PDL, RELEASE=True)
+    # With RELEASE_AT_END (BASTION_MOE_UP_RELEASE_AT_END) only as the program ends, so that
+    # the down kernel's grid launches as this one finishes (a program that returns early
+    # releases as it exits), not beside it.
+    wait_for_previous(USE_PDL, RELEASE=True, HOLD=RELEASE_AT_END)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
     if (expert < 0) | (expert >= num_local):
@@ -131,6 +136,8 @@ def _moe_gemv_up_kernel(
     else:
         _up_merge_splits(gate, up, act_ptrs, part_ptr, counts_ptr, pair, offs_n, n_ok, N,
                          SPLIT)
+    if RELEASE_AT_END:
+        release_now(USE_PDL)
 
 
 @triton.jit
@@ -368,8 +375,9 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl,
-        EVICT=evict, SPLIT=split, FOLD=_up_fold(up), num_warps=up["num_warps"],
-        num_stages=up["num_stages"],
+        EVICT=evict, SPLIT=split, FOLD=_up_fold(up),
+        RELEASE_AT_END=bool(pdl) and envs.get("BASTION_MOE_UP_RELEASE_AT_END"),
+        num_warps=up["num_warps"], num_stages=up["num_stages"],
         launch_pdl=bool(pdl), **_up_ahead(pdl, up, w13),
         **_dot_args("BASTION_MOE_UP_DOT", up, hidden), **splits)
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
