@@ -792,11 +792,16 @@ def test_fused_moe_gemv_matches_reference(monkeypatch: pytest.MonkeyPatch, num_e
         assert not counters_of("moe_up", CPU).any()
 
 
-def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows() -> None:
-    """As the grouped path: two ranks' halves sum to the whole, and a token with no expert on
-    a rank (or a padding row, id -1) gets exactly zero there, with no zero fill."""
+@pytest.mark.parametrize("form", list(_GEMV_FORMS))
+def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows(
+        monkeypatch: pytest.MonkeyPatch, form: str) -> None:
+    """As the grouped path, in each form: two ranks' halves sum to the whole, and a token with
+    no expert on a rank (or a padding row, id -1) gets exactly zero there, with no zero
+    fill."""
+    for name, value in _GEMV_FORMS[form].items():
+        monkeypatch.setenv(name, value)
     gen = torch.Generator().manual_seed(12)
-    num_tokens, hidden, inter, num_experts = 4, 32, 24, 8
+    num_tokens, hidden, inter, num_experts = 4, 64, 24, 8  # 2 K steps of the up tile
     x = torch.randn(num_tokens, hidden, generator=gen)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
