@@ -42,8 +42,8 @@ _KERNEL_MODULES = [
     "bastion.ops.triton.moe_routing",
     "bastion.ops.triton.moe_align",  # these two before fused_moe, which imports them
     "bastion.ops.triton.moe_sum",
+    "bastion.ops.triton.fused_moe",  # before fused_moe_gemv, which imports its dot_acc
     "bastion.ops.triton.fused_moe_gemv",
-    "bastion.ops.triton.fused_moe",
     "bastion.ops.triton.gemv",
     "bastion.ops.triton.grammar_bitmask",
 ]

@@ -23,6 +23,15 @@ import triton.language as tl
 
 
 @triton.jit
+def dot_acc(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b``, in full float32 precision where ``IEEE`` (float32 operands: tests and
+    the reference's dtype), else at the tensor cores' default."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _fused_moe_kernel(
     a_ptr,
     b_ptr,
@@ -85,19 +94,13 @@ def _fused_moe_kernel(
             k_ok = offs_k < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = dot_acc(a, b, acc, IEEE)
         if GATED:
             if EVEN_K:
                 u = tl.load(up_ptrs, mask=n_ok[None, :], other=0.0)
             else:
                 u = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if IEEE:
-                acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(a, u, acc_up)
+            acc_up = dot_acc(a, u, acc_up, IEEE)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from bastion import envs
 from bastion.ops.triton.counters import zeroed_counters
+from bastion.ops.triton.fused_moe import dot_acc
 from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, prefetch_lines_l2,
                                    release_early, release_now, use_pdl, use_prefetch,
                                    wait_for_previous)
@@ -207,12 +208,8 @@ def _up_dot(x_row_ptr, w_ptr, offs_n, n_ok, N, k_lo, k_hi, stride_wn, BLOCK_N: t
         w_mask = k_ok[:, None] & n_ok[None, :]
         g = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT)
         u = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT)
-        if IEEE:
-            acc_gate = tl.dot(x, g, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(x, u, acc_up, input_precision="ieee")
-        else:
-            acc_gate = tl.dot(x, g, acc_gate)
-            acc_up = tl.dot(x, u, acc_up)
+        acc_gate = dot_acc(x, g, acc_gate, IEEE)
+        acc_up = dot_acc(x, u, acc_up, IEEE)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -328,10 +325,7 @@ def _down_dot(act_ptrs, w_ptrs, local, weight, offs_n, n_ok, K, stride_wn,
         a = tl.load(a_ptrs, mask=a_mask & k_ok[None, None, :], other=0.0)
         b = tl.load(b_ptrs, mask=b_mask & k_ok[None, :, None], other=0.0,
                     eviction_policy=EVICT)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = dot_acc(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     # Rows 1-15 are exact zeros; each expert's product is scaled, then the k are summed.
