@@ -10,7 +10,8 @@
 # each variant's registers and spills), readbw (read bandwidth, and paged K/V reads beside
 # attention), prefillsweep (prefill attention's launch shapes on workload-like 16k-token
 # chunks), gemmhost (the host time of an eager F.linear by shape, cuBLAS against cuBLASLt, and
-# of a Triton launch), tests (GPU parity under CUDA graphs), offline (nano-vllm workload,
+# of a Triton launch), tests (GPU parity under CUDA graphs; $TESTS_K a pytest -k expression,
+# e.g. "moe or overlap"), offline (nano-vllm workload,
 # Qwen3-0.6B architecture, dummy weights, prefill chunks of $MAX_BATCHED tokens, default
 # 16384; offsync: the same without async scheduling; offtemp: the same sampling at temperature
 # 0.6, as nano-vllm's own script does; offenv: the same once per environment assignment in
@@ -164,8 +165,9 @@ for s in $STAGES; do
       $PY scripts/gpu_kernel_check.py --gemm-host --iters 30 ;;
     prefillsweep) stage prefillsweep 200 'copy|chunk|whole|halves' -- \
       $PY scripts/gpu_kernel_check.py --prefill-sweep --iters 20 ;;
-    tests) stage tests 200 'passed|failed|error|bf16:' -- \
-      $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu tests/test_triton_kernels.py -m gpu ;;
+    tests) stage tests 300 'passed|failed|error|bf16:' -- \
+      $PY -m pytest -q -x -s -p no:cacheprovider tests/gpu tests/test_triton_kernels.py -m gpu \
+      ${TESTS_K:+-k "$TESTS_K"} ;;
     offline) stage offline 150 'workload|bastion|phase|steps 1-|batch >=|Error|error' -- \
       $PY scripts/bench_offline.py --model $QWEN --load-format dummy --dtype bfloat16 $NANO \
       --temperature 0 --max-num-batched-tokens ${MAX_BATCHED:-16384} --skip-hf ;;
