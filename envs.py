@@ -151,6 +151,10 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_GEMV_CONFIG": EnvVar(
         {}, _moe_tiles, "the MoE matrix-vector kernels' tiles instead of the tuned table's: "
         "'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...' (either part; A/B runs)"),
+    "BASTION_DECODE_ATTENTION_EARLY_META": EnvVar(
+        False, _flag, "1: decode attention reads its sequence's staged metadata (query start, "
+        "length, the first tile's block-table entries) before its programmatic-launch wait "
+        "instead of after it (A/B runs)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

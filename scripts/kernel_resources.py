@@ -175,6 +175,8 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
                     {"num_warps": 4, **pdl}))
     out.append(("attention decode, 16 splits of 32-key tiles", _unified_attention_kernel,
                 attn_args, attn, {"num_warps": 4, "num_stages": 2, **pdl}))
+    out.append(("attention decode, its metadata read before the wait", _unified_attention_kernel,
+                attn_args, {**attn, "EARLY_META": True}, {"num_warps": 4, "num_stages": 2, **pdl}))
     norm_args = {"out_ptr": Ptr("bf16"), "new_res_ptr": Ptr("bf16"), "x_ptr": Ptr("bf16"),
                  "res_ptr": Ptr("bf16"), "weight_ptr": Ptr("bf16"), "stride_x": 2048,
                  "stride_res": 2048, "eps": 1e-6}

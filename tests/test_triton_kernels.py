@@ -308,6 +308,24 @@ def _split_counts(launches: list[tuple[object, dict]]) -> list[int]:  # type: ig
     return [c["NUM_SPLITS"] for _, c in launches if c["NUM_SPLITS"] > 1]
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_attention_decode_reads_its_metadata_before_its_wait(
+        num_splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BASTION_DECODE_ATTENTION_EARLY_META``: a decode program reads its query start and
+    length, its length and its first tile's block-table entries before its wait, the later
+    tiles' entries in the loop (one split: up to three 32-key tiles a program), with a padding
+    row and a sequence with no context; and a mixed batch's decode launch, whose prefill rows
+    return. The prefill launch keeps its order."""
+    monkeypatch.setenv("BASTION_DECODE_ATTENTION_EARLY_META", "1")
+    launches = _record_launches(monkeypatch)
+    _check_attention(q_lens=[1, 1, 1, 1], ctx_lens=[70, 5, 33, 0], num_heads=4, num_kv_heads=2,
+                     head_dim=16, block_size=8, num_splits=num_splits, num_pad_tokens=1)
+    _check_attention(q_lens=[5, 1, 17, 1], ctx_lens=[0, 40, 12, 90], num_heads=4,
+                     num_kv_heads=2, head_dim=16, block_size=8, num_splits=num_splits)
+    assert [(c["DECODE"], c["EARLY_META"]) for _, c in launches] == [
+        (True, True), (False, True), (True, True)]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_attention_split_decode_merges_in_its_last_split_or_a_second_kernel(
         fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1045,8 +1063,12 @@ def test_fused_moe_expert_parallel_slices_and_padding_rows() -> None:
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("early_meta", [False, True])
 @pytest.mark.parametrize("num_splits", [None, 1])
-def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
+def test_gpu_attention_decode_qwen3_shape(num_splits: int | None, early_meta: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Also with the metadata read before the wait (BASTION_DECODE_ATTENTION_EARLY_META).
+    monkeypatch.setenv("BASTION_DECODE_ATTENTION_EARLY_META", "1" if early_meta else "0")
     q_lens = [1] * 64
     ctx_lens = [
         int(c) for c in torch.randint(1, 2048, (64,), generator=torch.Generator().manual_seed(0))
