@@ -15,8 +15,14 @@ STGx4 LDGx2 ...``.
 
 Arguments are typed as a launch would type them (Triton's own specialisation: 16-byte aligned
 pointers, integers divisible by 16 marked so). Uses Triton internals (``ASTSource``,
-``native_specialize_impl``) as of Triton 3.9; the GPU host's Triton may allocate a few
-registers differently.
+``native_specialize_impl``) that Triton 3.6 and 3.9 share.
+
+Read it with the GPU host's Triton (3.6): this machine's 3.9 compiles some of these kernels
+differently (the MoE up kernel's K loop not unrolled, the down kernel spilling with 2-byte
+loads; docs/BENCHMARKS.md, session 31). The compiler runs without a GPU:
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36 python scripts/kernel_resources.py --order
 """
 
 from __future__ import annotations
