@@ -243,11 +243,13 @@ def main(argv: list[str] | None = None) -> int:
              for d in (2, 4, 8)]
     forms += [(f"up as dots {bn}x{bk} {w}w {st} stages", (bn, bk, w, st, {"DOT": True}))
               for bn, bk, w, st in ((16, 128, 4, 2), (16, 128, 4, 3), (16, 128, 4, 4),
-                                    (16, 64, 4, 6), (32, 128, 4, 3), (16, 256, 4, 3))]
+                                    (16, 128, 4, 5), (16, 64, 4, 6), (32, 128, 4, 3),
+                                    (16, 256, 4, 3))]
     forms += [(f"up folded {bn}x{bk} {w}w" + (f", K in {sp} programs" if sp > 1 else ""),
                (bn, bk, w, 1, {"FOLD": min(8, bn * bk // (32 * w)), "SPLIT": sp}))
               for bn, bk, w, sp in ((8, 128, 8, 1), (8, 256, 8, 1), (8, 256, 4, 1),
-                                    (8, 128, 4, 2), (8, 128, 8, 2), (8, 256, 8, 2))]
+                                    (8, 512, 4, 1), (16, 256, 4, 1), (8, 128, 4, 2),
+                                    (8, 256, 8, 2))]
     for name, (bn, bk, warps, stages, consts) in forms:
         up_std(8, 128, 8)(0)
         check(act, up_form(bn, bk, warps, stages, consts), name)
