@@ -133,7 +133,7 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_UP_FOLD": EnvVar(
         False, _flag, "1: the MoE up kernel's elementwise products (a few tokens) are folded "
         "into a narrower float32 sum a step, with the token's columns read in the weights' "
-        "layout, so that a wider tile keeps 32 registers (A/B runs)"),
+        "layout, so that a wider tile needs fewer registers and no barrier a step (A/B runs)"),
     "BASTION_MOE_UP_RELEASE_AT_END": EnvVar(
         False, _flag, "1: the MoE up kernel (a few tokens) lets the down kernel launch only as "
         "each of its programs ends, not after its wait, so that a down kernel with few "

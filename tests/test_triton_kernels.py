@@ -308,18 +308,20 @@ def _split_counts(launches: list[tuple[object, dict]]) -> list[int]:  # type: ig
     return [c["NUM_SPLITS"] for _, c in launches if c["NUM_SPLITS"] > 1]
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
 def test_attention_decode_reads_its_metadata_before_its_wait(
         num_splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``BASTION_DECODE_ATTENTION_EARLY_META``: a decode program reads its query start and
     length, its length and its first tile's block-table entries before its wait, the later
-    tiles' entries in the loop (one split: up to three 32-key tiles a program), with a padding
-    row and a sequence with no context; and a mixed batch's decode launch, whose prefill rows
-    return. The prefill launch keeps its order."""
+    tiles' entries in the loop (one split: up to seven 32-key tiles a program; two: a second
+    split starting at tile 4 with three), with a padding token, a sequence with no context and
+    empty sequences (no token, no context: a CUDA graph's padding rows); and a mixed batch's
+    decode launch, whose prefill rows return. The prefill launch keeps its order."""
     monkeypatch.setenv("BASTION_DECODE_ATTENTION_EARLY_META", "1")
     launches = _record_launches(monkeypatch)
-    _check_attention(q_lens=[1, 1, 1, 1], ctx_lens=[70, 5, 33, 0], num_heads=4, num_kv_heads=2,
-                     head_dim=16, block_size=8, num_splits=num_splits, num_pad_tokens=1)
+    _check_attention(q_lens=[1, 1, 1, 1, 1, 0, 0], ctx_lens=[70, 5, 33, 0, 200, 0, 0],
+                     num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+                     num_splits=num_splits, num_pad_tokens=1)
     _check_attention(q_lens=[5, 1, 17, 1], ctx_lens=[0, 40, 12, 90], num_heads=4,
                      num_kv_heads=2, head_dim=16, block_size=8, num_splits=num_splits)
     assert [(c["DECODE"], c["EARLY_META"]) for _, c in launches] == [

@@ -9,14 +9,18 @@ import torch
 
 # Per (owner, device); each owner its own buffer, so two kinds of kernel never share a count.
 _COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+# Buffers outgrown by a larger need: kept, since a CUDA graph captured with one still uses it.
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def zeroed_counters(owner: str, device: torch.device, needed: int) -> torch.Tensor:
     """At least ``needed`` counters, all zero between launches, kept for ``owner``'s kernels."""
     counters = _COUNTERS.get((owner, device))
     if counters is None or counters.numel() < needed:
-        # NOTE: every decode graph's size is run eagerly before it is captured, largest first,
-        # so the buffer a graph holds is never replaced.
+        # NOTE: a graph's size runs eagerly before its capture, so a new buffer is never
+        # allocated inside one; the one it replaces stays alive for graphs captured with it.
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
         _COUNTERS[(owner, device)] = counters
     return counters

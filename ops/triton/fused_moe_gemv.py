@@ -17,6 +17,12 @@ Both accumulate elementwise in a ``[BLOCK_N, BLOCK_K]`` float32 tile and reduce 
 end: the products are bound by the weight bytes, which each program reads exactly once. Two
 tokens that chose the same expert read its weights twice, which is why the grouped GEMM takes
 over from a few tokens on (the tuned tables in ``bastion.ops.moe_configs`` say where).
+
+Other forms, off by default, for A/B runs (``bastion.envs``): the up kernel's products folded
+into a ``[BLOCK_N, BLOCK_K / 8]`` sum (``BASTION_MOE_UP_FOLD``), its K spread over several
+programs whose last adds the partials (``BASTION_MOE_UP_SPLIT``), either kernel's products
+as tensor-core dots (``BASTION_MOE_UP_DOT``, ``BASTION_MOE_DOWN_DOT``), and the down kernel
+let launch only as the up kernel's programs end (``BASTION_MOE_UP_RELEASE_AT_END``).
 """
 
 from __future__ import annotations
@@ -403,8 +409,9 @@ def _dot_args(name: str, tile: dict, hidden: torch.Tensor) -> dict:
 
 def _up_split(up: dict, k: int) -> tuple[int, int]:
     """``BASTION_MOE_UP_SPLIT=S``: how many programs share a tile's ``k`` columns, and how
-    many columns each takes (whole ``BLOCK_SIZE_K`` steps, so fewer than S programs when K
-    is short); one program and all of K without the variable."""
+    many columns each takes: whole ``BLOCK_SIZE_K`` steps, the same number each but the
+    last, so at most S programs (fewer when K is short or the steps do not divide, e.g. 16
+    steps with S=5: 4 of 4 steps); one program and all of K without the variable."""
     want, steps = envs.get("BASTION_MOE_UP_SPLIT"), triton.cdiv(k, up["BLOCK_SIZE_K"])
     if want <= 1:
         return 1, k
