@@ -9,7 +9,8 @@ same bytes in the same number of programs. Every launch of a replayed graph rout
 to another 8 of the 128 experts, so the weights come from memory, not L2. Printed beside the
 floor (bytes over the copy bandwidth measured in the same run); and the up kernel's other
 forms (a K step ahead asked of L2, the products as pipelined dots, folded into narrower sums,
-K over two programs) and the down kernel's products as pipelined dots. Alone, the down kernel's
+K over two programs), the down kernel's products as pipelined dots, and what torch's own
+reduction reaches reading the same bytes (the read-only rate beside the copy's). Alone, the down kernel's
 tiles read as stored stream at half the rate of tiled ones; inside the model its L2 prefetch
 during the up kernel hides that (session 27 in docs/BENCHMARKS.md).
 
@@ -270,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         measure(f"stream, {sums.numel()} programs of {per * 2 // 1024} KB, {step * 2} B steps",
                 lambda i, s=step: _stream_kernel[(sums.numel(),)](
                     src[i * (up_bytes // 2):], sums, per, STEP=s, num_warps=8), up_bytes)
+    # What reading alone reaches: torch's own reduction over the same bytes (rows of 1024).
+    n = up_bytes // 2
+    row_sums = torch.empty(n // 1024, device=dev)
+    measure("torch row sums of the same bytes (a tuned read-only kernel)",
+            lambda i: torch.sum(src[i * n:(i + 1) * n].view(-1, 1024), dim=1,
+                                dtype=torch.float32, out=row_sums), up_bytes)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; one token, 8 of 128 experts a launch, "
           f"{args.sets} expert sets in a graph")
     print("kernel | us a launch | floor us | TB/s")
