@@ -21,8 +21,7 @@ Read it with the GPU host's Triton (3.6): this machine's 3.9 compiles some of th
 differently (the MoE up kernel's K loop not unrolled, the down kernel spilling with 2-byte
 loads; docs/BENCHMARKS.md, session 31). The compiler runs without a GPU:
 
-    pip install --no-deps --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36 python scripts/kernel_resources.py --order
+    bash scripts/kernel_resources_host.sh --order   # installs it once into .triton-host/
 """
 
 from __future__ import annotations
