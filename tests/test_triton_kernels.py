@@ -839,6 +839,25 @@ def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows(
                                atol=1e-5)
 
 
+def test_fused_moe_gemv_split_and_fold_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """How ``BASTION_MOE_UP_SPLIT`` shares K (whole steps, every program at least one, the
+    last one shorter) and how far ``BASTION_MOE_UP_FOLD`` folds (a thread's columns of a row,
+    at most 8; none without the variable)."""
+    from bastion.ops.triton import fused_moe_gemv as g
+
+    tile = {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 128, "num_warps": 4}
+    for want, k, expected in ((1, 2048, (1, 2048)), (2, 2048, (2, 1024)), (5, 2048, (4, 512)),
+                              (3, 2048, (3, 768)), (4, 200, (2, 128)), (2, 72, (1, 72))):
+        monkeypatch.setenv("BASTION_MOE_UP_SPLIT", str(want))
+        assert g._up_split(tile, k) == expected, (want, k)
+    for fold, n, bk, warps, expected in (("0", 8, 256, 8, 0), ("1", 8, 256, 8, 8),
+                                          ("1", 8, 128, 8, 4), ("1", 8, 512, 4, 8),
+                                          ("1", 4, 16, 4, 1)):
+        monkeypatch.setenv("BASTION_MOE_UP_FOLD", fold)
+        assert g._up_fold({"BLOCK_SIZE_N": n, "BLOCK_SIZE_K": bk, "num_warps": warps}) == \
+            expected, (fold, n, bk, warps)
+
+
 def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """``BASTION_MOE_GEMV_CONFIG`` (in-model tile sweeps) replaces the table's up tile and
     keeps its down tile; the kernels run in those tiles and still match the reference; a

@@ -416,7 +416,8 @@ def _up_split(up: dict, k: int) -> tuple[int, int]:
     if want <= 1:
         return 1, k
     per_split = triton.cdiv(steps, want)
-    return triton.cdiv(steps, per_split), per_split * up["BLOCK_SIZE_K"]
+    split = triton.cdiv(steps, per_split)
+    return (split, per_split * up["BLOCK_SIZE_K"]) if split > 1 else (1, k)
 
 
 def _up_fold(up: dict) -> int:
