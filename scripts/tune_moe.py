@@ -46,6 +46,24 @@ def candidates(block_m: int) -> list[dict[str, int]]:
     return [dict(zip(TILE_KEYS, c)) for c in grid]
 
 
+# An H100/H200 SM's shared memory for one program, and the float32 accumulator registers a
+# thread can hold before ptxas spills (Triton 3.6, sm_90: 128 fit beside the rest; 256 spill).
+SHARED_BYTES = 227 * 1024
+MAX_ACC_PER_THREAD = 128
+
+
+def feasible(tile: dict[str, int], block_m: int, gated: bool) -> bool:
+    """Whether a grouped-GEMM tile can run unspilled on an H100/H200: its pipeline's buffers
+    (``num_stages`` copies of the A tile and one or two B tiles) fit shared memory, and its
+    accumulators (two with ``gated``) fit a thread's registers. The others only cost the tune
+    their compile (a 16,384-token tune compiled 72 kernels, 34 of them spilling or too big;
+    docs/BENCHMARKS.md, session 31)."""
+    b_tiles = 2 if gated else 1
+    stage = (block_m + b_tiles * tile["BLOCK_SIZE_N"]) * tile["BLOCK_SIZE_K"] * 2
+    acc = b_tiles * block_m * tile["BLOCK_SIZE_N"] // (32 * tile["num_warps"])
+    return tile["num_stages"] * stage <= SHARED_BYTES and acc <= MAX_ACC_PER_THREAD
+
+
 def gemv_candidates(up: bool) -> list[dict[str, int]]:
     # The down kernel's tile holds all k experts: [k, BLOCK_N, BLOCK_K].
     grid = (itertools.product([4, 8, 16], [128, 256, 512], [4, 8], [1, 2]) if up else
@@ -111,8 +129,10 @@ class RoutingCase:
     def best(self, block_m: int, iters: int) -> tuple[float, dict, dict]:
         """(seconds, up tile, down tile): the fastest tile of each product."""
         tiles = candidates(block_m)
-        up = min(tiles, key=lambda t: self.product_ms(block_m, t, True, iters))
-        down = min(tiles, key=lambda t: self.product_ms(block_m, t, False, iters))
+        up = min((t for t in tiles if feasible(t, block_m, True)),
+                 key=lambda t: self.product_ms(block_m, t, True, iters))
+        down = min((t for t in tiles if feasible(t, block_m, False)),
+                   key=lambda t: self.product_ms(block_m, t, False, iters))
         return self.time({"BLOCK_SIZE_M": block_m, "up": up, "down": down}, iters), up, down
 
     def product_ms(self, block_m: int, tile: dict, gated: bool, iters: int) -> float:

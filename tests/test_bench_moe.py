@@ -1,5 +1,6 @@
 """scripts/bench_moe.py's offline phase table: a run's steps set beside the ideal schedule's
-floor, phase by phase (the benchmarks read where the nano-vllm shape's time goes from it)."""
+floor, phase by phase (the benchmarks read where the nano-vllm shape's time goes from it); and
+scripts/tune_moe.py's pruning of tiles that cannot run unspilled."""
 
 from __future__ import annotations
 
@@ -31,3 +32,27 @@ def test_phase_table_sets_each_phase_beside_its_floor():
         " decode >=   2      1    1.000    1.420     142%   500.00",
         " decode >=   1      1    2.000    1.220      61%   500.00",
     ]
+
+
+def test_tune_moe_skips_tiles_that_spill_or_overflow_shared_memory():
+    # The 16,384-token grouped-GEMM candidates (128-row blocks), against what Triton 3.6
+    # compiled for sm_90 (docs/BENCHMARKS.md, session 31): gate+up's two 128x128 float32
+    # accumulators fit 8 warps (226 registers) and spill in 4 (255 and a stack); three stages
+    # of a 128x128x128 gated tile need 288 KB of shared memory; down's 256-column tile fits
+    # 8 warps (201 registers), not 4.
+    from tune_moe import candidates, feasible
+
+    def tile(n, k, warps, stages):
+        return {"BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k, "GROUP_SIZE_M": 8, "num_warps": warps,
+                "num_stages": stages}
+
+    assert feasible(tile(128, 128, 8, 2), 128, True)
+    assert not feasible(tile(128, 128, 4, 2), 128, True)
+    assert not feasible(tile(128, 128, 8, 3), 128, True)
+    assert not feasible(tile(256, 64, 8, 2), 128, True)
+    assert feasible(tile(256, 64, 8, 4), 128, False)
+    assert not feasible(tile(256, 64, 4, 2), 128, False)
+    assert not feasible(tile(128, 128, 8, 4), 128, False)  # 256 KB
+    tiles = candidates(128)
+    assert (len(tiles), sum(feasible(t, 128, True) for t in tiles),
+            sum(feasible(t, 128, False) for t in tiles)) == (36, 14, 26)
