@@ -56,7 +56,7 @@ def feasible(tile: dict[str, int], block_m: int, gated: bool) -> bool:
     """Whether a grouped-GEMM tile can run unspilled on an H100/H200: its pipeline's buffers
     (``num_stages`` copies of the A tile and one or two B tiles) fit shared memory, and its
     accumulators (two with ``gated``) fit a thread's registers. The others only cost the tune
-    their compile (a 16,384-token tune compiled 72 kernels, 34 of them spilling or too big;
+    their compile (a 16,384-token tune compiled 72 kernels, 32 of them spilling or too big;
     docs/BENCHMARKS.md, session 31)."""
     b_tiles = 2 if gated else 1
     stage = (block_m + b_tiles * tile["BLOCK_SIZE_N"]) * tile["BLOCK_SIZE_K"] * 2
