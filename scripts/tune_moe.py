@@ -38,8 +38,8 @@ TILE_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_s
 def candidates(block_m: int) -> list[dict[str, int]]:
     if block_m == 16:
         grid = itertools.product([16, 32, 64, 128], [64, 128], [1], [4], [3, 4, 5])
-    elif block_m == 128:  # prefill chunks: wider and deeper tiles too (shared memory
-        # permitting; a tile that does not fit times as infinity)
+    elif block_m == 128:  # prefill chunks: wider and deeper tiles too (``feasible`` drops
+        # those that would spill or not fit shared memory before they are compiled)
         grid = itertools.product([64, 128, 256], [64, 128], [8], [4, 8], [2, 3, 4])
     else:
         grid = itertools.product([64, 128], [64, 128], [8], [4, 8], [3, 4])

@@ -379,7 +379,7 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         RELEASE_AT_END=bool(pdl) and envs.get("BASTION_MOE_UP_RELEASE_AT_END"),
         num_warps=up["num_warps"], num_stages=up["num_stages"],
         launch_pdl=bool(pdl), **_up_ahead(pdl, up, w13),
-        **_dot_args("BASTION_MOE_UP_DOT", up, hidden), **splits)
+        **_dot_args("up", up, hidden), **splits)
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
@@ -389,18 +389,18 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
                   and envs.get("BASTION_MOE_DOWN_PREFETCH")),
         W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]), EVICT=evict,
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl),
-        **_dot_args("BASTION_MOE_DOWN_DOT", down, hidden))
+        **_dot_args("down", down, hidden))
     return out
 
 
-def _dot_args(name: str, tile: dict, hidden: torch.Tensor) -> dict:
-    """``BASTION_MOE_UP_DOT=1`` / ``BASTION_MOE_DOWN_DOT=1`` (``name``): that kernel's
-    products as dots (``_up_dot``, ``_down_dot``); its tile needs 16 columns or more
+def _dot_args(part: str, tile: dict, hidden: torch.Tensor) -> dict:
+    """``BASTION_MOE_UP_DOT=1`` / ``BASTION_MOE_DOWN_DOT=1`` (``part`` "up" / "down"): that
+    kernel's products as dots (``_up_dot``, ``_down_dot``); its tile needs 16 columns or more
     (``BASTION_MOE_GEMV_CONFIG='up=16,...'``, ``'down=16,...'``)."""
+    name = f"BASTION_MOE_{part.upper()}_DOT"
     if not envs.get(name):
         return {}
     if tile["BLOCK_SIZE_N"] < 16 or tile["BLOCK_SIZE_K"] < 16:
-        part = name.split("_")[2].lower()
         raise ValueError(f"{name} needs {part} tiles of 16 columns or more, not "
                          f"{tile['BLOCK_SIZE_N']}x{tile['BLOCK_SIZE_K']} "
                          f"(BASTION_MOE_GEMV_CONFIG='{part}=16,...')")

@@ -141,6 +141,9 @@ def _unified_attention_kernel(
     # sequence's staged metadata (query start and length, length, its first tile's block-table
     # entries; the host copied them in before the graph ran), while the kernel before it
     # drains, and waits after that: three dependent reads fewer after the wait.
+    # NOTE: bt_row, offs_t, seq_len and the split's tiles are set in the EARLY block or at
+    # their places below, not once above both: hoisted, the default kernel compiles otherwise
+    # (prefill attention took 3 more registers under Triton 3.9).
     EARLY: tl.constexpr = EARLY_META and DECODE
     if not EARLY:
         # NOTE: at the very start, so every program waits (most of a decode grid's may exit
