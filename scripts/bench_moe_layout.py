@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sets", type=int, default=16, help="expert sets, one per launch")
     p.add_argument("--replays", type=int, default=20)
     args = p.parse_args(argv)
-    from bastion.ops.triton.fused_moe_gemv import _moe_gemv_down_kernel, _moe_gemv_up_kernel
+    from bastion.ops.triton.fused_moe_gemv import (
+        _moe_gemv_down_kernel,
+        _moe_gemv_up_kernel,
+        fold_width,
+    )
 
     dev = torch.device("cuda")
     e, h, inter, top_k = 128, 2048, 768, 8
@@ -156,12 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     down_bytes = top_k * h * inter * 2
     rows = []
 
-    def up_std(bn, bk, warps):
+    # The up kernel's other forms take the tile's consts: its rows' K step D ahead asked of L2
+    # (BASTION_MOE_UP_AHEAD), its products as pipelined dots (BASTION_MOE_UP_DOT), folded
+    # into a narrower sum (BASTION_MOE_UP_FOLD), its K over S programs (BASTION_MOE_UP_SPLIT);
+    # the down kernel's, as pipelined dots (BASTION_MOE_DOWN_DOT).
+    counts = torch.zeros(top_k * inter, dtype=torch.int32, device=dev)
+    partials = torch.empty(top_k * 4 * 2 * inter, dtype=torch.float32, device=dev)
+
+    def up_std(bn, bk, warps, stages=2, consts=None):
+        consts = consts or {}
+        split = consts.get("SPLIT", 1)
+        extra = ({"part_ptr": partials, "counts_ptr": counts, "k_split": h // split}
+                 if split > 1 else {})
+
         def run(i):
-            _moe_gemv_up_kernel[(top_k, inter // bn)](
+            _moe_gemv_up_kernel[(top_k, inter // bn, split)](
                 x, w13, act, ids[i], 0, e, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
                 act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=0,
-                num_warps=warps, num_stages=2)
+                LANES=32 * warps, num_warps=warps, num_stages=stages, **consts, **extra)
         return run
 
     def up_tiled(bn, bk, warps, wt):
@@ -171,13 +187,13 @@ def main(argv: list[str] | None = None) -> int:
                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=2)
         return run
 
-    def down_std(bn, bk, warps):
+    def down_std(bn, bk, warps, stages=2, consts=None):
         def run(i):
             _moe_gemv_down_kernel[(1, h // bn)](
                 act, w2, out, ids[i], weights, 0, e, h, inter, act.stride(0), w2.stride(0),
                 w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_TOPK=top_k, BLOCK_N=bn,
-                BLOCK_K=bk, USE_PDL=0, PREFETCH=False, W_BYTES=2, LINES=128,
-                num_warps=warps, num_stages=2)
+                BLOCK_K=bk, USE_PDL=0, PREFETCH=False, W_BYTES=2, LINES=32 * warps,
+                num_warps=warps, num_stages=stages, **(consts or {}))
         return run
 
     def down_tiled(bn, bk, warps, wt):
@@ -211,35 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             measure(f"{part} {bn}x{bk} {warps}w, rows as stored", std(bn, bk, warps), num_bytes)
             measure(f"{part} {bn}x{bk} {warps}w, tiled", tiled(bn, bk, warps, wt), num_bytes)
             del wt
-    # The up kernel's other forms over the weights as stored: its rows' K step D ahead asked
-    # of L2 (BASTION_MOE_UP_AHEAD), its products as pipelined dots (BASTION_MOE_UP_DOT),
-    # folded into a narrower sum (BASTION_MOE_UP_FOLD), its K over S programs
-    # (BASTION_MOE_UP_SPLIT); and the down kernel's products as pipelined dots
-    # (BASTION_MOE_DOWN_DOT).
-    counts = torch.zeros(top_k * inter, dtype=torch.int32, device=dev)
-    part = torch.empty(top_k * 4 * 2 * inter, dtype=torch.float32, device=dev)
-
-    def up_form(bn, bk, warps, stages, consts):
-        split = consts.get("SPLIT", 1)
-        extra = ({"part_ptr": part, "counts_ptr": counts, "k_split": h // split}
-                 if split > 1 else {})
-
-        def run(i):
-            _moe_gemv_up_kernel[(top_k, inter // bn, split)](
-                x, w13, act, ids[i], 0, e, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-                act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=0,
-                LANES=32 * warps, num_warps=warps, num_stages=stages, **consts, **extra)
-        return run
-
-    def down_form(bn, bk, warps, stages, consts):
-        def run(i):
-            _moe_gemv_down_kernel[(1, h // bn)](
-                act, w2, out, ids[i], weights, 0, e, h, inter, act.stride(0), w2.stride(0),
-                w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_TOPK=top_k, BLOCK_N=bn,
-                BLOCK_K=bk, USE_PDL=0, PREFETCH=False, W_BYTES=2, LINES=32 * warps,
-                num_warps=warps, num_stages=stages, **consts)
-        return run
-
+    # The other forms, over the weights as stored.
     forms = [(f"up 8x128 8w, K step {d} ahead asked of L2", (8, 128, 8, 2, {"AHEAD": d}))
              for d in (2, 4, 8)]
     forms += [(f"up as dots {bn}x{bk} {w}w {st} stages", (bn, bk, w, st, {"DOT": True}))
@@ -247,20 +235,20 @@ def main(argv: list[str] | None = None) -> int:
                                     (16, 128, 4, 5), (16, 64, 4, 6), (32, 128, 4, 3),
                                     (16, 256, 4, 3))]
     forms += [(f"up folded {bn}x{bk} {w}w" + (f", K in {sp} programs" if sp > 1 else ""),
-               (bn, bk, w, 1, {"FOLD": min(8, bn * bk // (32 * w)), "SPLIT": sp}))
+               (bn, bk, w, 1, {"FOLD": fold_width(bn, bk, w), "SPLIT": sp}))
               for bn, bk, w, sp in ((8, 128, 8, 1), (8, 256, 8, 1), (8, 256, 4, 1),
                                     (8, 512, 4, 1), (16, 256, 4, 1), (8, 128, 4, 2),
                                     (8, 256, 8, 2))]
     for name, (bn, bk, warps, stages, consts) in forms:
         up_std(8, 128, 8)(0)
-        check(act, up_form(bn, bk, warps, stages, consts), name)
-        measure(name, up_form(bn, bk, warps, stages, consts), up_bytes)
+        check(act, up_std(bn, bk, warps, stages, consts), name)
+        measure(name, up_std(bn, bk, warps, stages, consts), up_bytes)
     for bn, bk, warps, stages in ((16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 4, 3),
                                   (32, 64, 4, 3), (16, 64, 8, 4)):
         name = f"down as dots {bn}x{bk} {warps}w {stages} stages"
         down_std(8, 256, 4)(0)
-        check(out, down_form(bn, bk, warps, stages, {"DOT": True}), name)
-        measure(name, down_form(bn, bk, warps, stages, {"DOT": True}), down_bytes)
+        check(out, down_std(bn, bk, warps, stages, {"DOT": True}), name)
+        measure(name, down_std(bn, bk, warps, stages, {"DOT": True}), down_bytes)
     # The same bytes as one contiguous stream per program, in as many programs.
     src = torch.empty(args.sets * up_bytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     sums = torch.empty(top_k * inter // 8, device=dev)

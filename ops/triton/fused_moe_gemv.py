@@ -421,14 +421,17 @@ def _up_split(up: dict, k: int) -> tuple[int, int]:
 
 
 def _up_fold(up: dict) -> int:
-    """``BASTION_MOE_UP_FOLD=1``: how many adjacent products a thread of the elementwise up
-    kernel folds into one sum a step: the columns it holds of a row (Triton's layout for the
-    tile gives a thread up to 16 bytes of a row, 8 two-byte weights); 0 without the
-    variable."""
+    """``BASTION_MOE_UP_FOLD=1``: the up tile's ``fold_width``; 0 without the variable."""
     if not envs.get("BASTION_MOE_UP_FOLD"):
         return 0
-    per_thread = up["BLOCK_SIZE_N"] * up["BLOCK_SIZE_K"] // (32 * up["num_warps"])
-    return max(1, min(8, per_thread, up["BLOCK_SIZE_K"]))
+    return fold_width(up["BLOCK_SIZE_N"], up["BLOCK_SIZE_K"], up["num_warps"])
+
+
+def fold_width(block_n: int, block_k: int, num_warps: int) -> int:
+    """How many adjacent products a thread of the elementwise up kernel folds into one sum a
+    step: the columns it holds of a row (Triton's layout for the tile gives a thread up to 16
+    bytes of a row, 8 two-byte weights)."""
+    return max(1, min(8, block_n * block_k // (32 * num_warps), block_k))
 
 
 def _up_ahead(pdl: int, up: dict, w13: torch.Tensor) -> dict:
