@@ -119,29 +119,10 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_DOWN_PREFETCH": EnvVar(
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),
-    "BASTION_MOE_UP_AHEAD": EnvVar(
-        0, int, "D > 0: the MoE up kernel's programs (batch 1-2) ask L2 for their rows' K "
-        "step D ahead of the one they load (A/B runs; 0: not)"),
-    "BASTION_MOE_UP_DOT": EnvVar(
-        False, _flag, "1: the MoE up kernel (batch 1-2) computes its products as tensor-core "
-        "dots, so that Triton pipelines its weight loads over num_stages (A/B runs; needs an "
-        "up tile of 16 columns or more)"),
-    "BASTION_MOE_UP_SPLIT": EnvVar(
-        1, int, "S > 1: the MoE up kernel (a few tokens) spreads each tile's K over S programs "
-        "(more bytes in flight over the grid), the last to finish adding their partial sums "
-        "(A/B runs; 1: one program a tile)"),
-    "BASTION_MOE_UP_FOLD": EnvVar(
-        False, _flag, "1: the MoE up kernel's elementwise products (a few tokens) are folded "
-        "into a narrower float32 sum a step, with the token's columns read in the weights' "
-        "layout, so that a wider tile needs fewer registers and no barrier a step (A/B runs)"),
     "BASTION_MOE_UP_RELEASE_AT_END": EnvVar(
         False, _flag, "1: the MoE up kernel (a few tokens) lets the down kernel launch only as "
-        "each of its programs ends, not after its wait, so that a down kernel with few "
-        "registers does not start beside it (A/B runs, with BASTION_MOE_DOWN_DOT)"),
-    "BASTION_MOE_DOWN_DOT": EnvVar(
-        False, _flag, "1: the MoE down kernel (a few tokens) computes its products as tensor-core "
-        "dots, so that Triton pipelines its weight loads over num_stages (A/B runs; needs a "
-        "down tile of 16 columns or more)"),
+        "each of its programs ends, not after its wait, so that the down kernel's grid starts "
+        "as the up kernel finishes instead of beside it (A/B runs)"),
     "BASTION_L2_EVICT_FIRST": EnvVar(
         True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
         "weights with L2's normal priority instead of evict-first (A/B runs)"),
@@ -151,10 +132,6 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_GEMV_CONFIG": EnvVar(
         {}, _moe_tiles, "the MoE matrix-vector kernels' tiles instead of the tuned table's: "
         "'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...' (either part; A/B runs)"),
-    "BASTION_DECODE_ATTENTION_EARLY_META": EnvVar(
-        False, _flag, "1: decode attention reads its sequence's staged metadata (query start, "
-        "length, the first tile's block-table entries) before its programmatic-launch wait "
-        "instead of after it (A/B runs)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

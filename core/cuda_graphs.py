@@ -213,9 +213,7 @@ class CUDAGraphRunner:
         host.bt[:num_bt].numpy()[:] = inputs.block_tables.reshape(-1)
         end = self._layout.bt_at + num_bt * 4
         self._dev_flat[:end].copy_(host.flat[:end], non_blocking=True)
-        # Rows past ``b`` keep stale ids: their sequences are empty, so nothing uses them
-        # (decode attention with BASTION_DECODE_ATTENTION_EARLY_META reads an entry of each
-        # before it knows, and drops it).
+        # Rows past ``b`` keep stale ids: their sequences are empty, so nothing reads them.
         self._dev_bt[:b, :width].copy_(self._dev_bt_packed[:num_bt].view(b, width))
         self._host.copied()
 

@@ -7,12 +7,10 @@ products over a tiled copy of the weights in which each step's tile is one conti
 (``[E, N / BLOCK_N, K / BLOCK_K, (2,) BLOCK_N, BLOCK_K]``), and with a plain stream of the
 same bytes in the same number of programs. Every launch of a replayed graph routes one token
 to another 8 of the 128 experts, so the weights come from memory, not L2. Printed beside the
-floor (bytes over the copy bandwidth measured in the same run); and the up kernel's other
-forms (a K step ahead asked of L2, the products as pipelined dots, folded into narrower sums,
-K over two programs), the down kernel's products as pipelined dots, and what torch's own
-reduction reaches reading the same bytes (the read-only rate beside the copy's). Alone, the down kernel's
-tiles read as stored stream at half the rate of tiled ones; inside the model its L2 prefetch
-during the up kernel hides that (session 27 in docs/BENCHMARKS.md).
+floor (bytes over the copy bandwidth measured in the same run), with what torch's own
+reduction reaches reading the same bytes (the read-only rate beside the copy's). Alone, the
+down kernel's tiles read as stored stream at half the rate of tiled ones; inside the model its
+L2 prefetch during the up kernel hides that (session 27 in docs/BENCHMARKS.md).
 
     python scripts/bench_moe_layout.py
 """
@@ -138,11 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sets", type=int, default=16, help="expert sets, one per launch")
     p.add_argument("--replays", type=int, default=20)
     args = p.parse_args(argv)
-    from bastion.ops.triton.fused_moe_gemv import (
-        _moe_gemv_down_kernel,
-        _moe_gemv_up_kernel,
-        fold_width,
-    )
+    from bastion.ops.triton.fused_moe_gemv import _moe_gemv_down_kernel, _moe_gemv_up_kernel
 
     dev = torch.device("cuda")
     e, h, inter, top_k = 128, 2048, 768, 8
@@ -160,24 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     down_bytes = top_k * h * inter * 2
     rows = []
 
-    # The up kernel's other forms take the tile's consts: its rows' K step D ahead asked of L2
-    # (BASTION_MOE_UP_AHEAD), its products as pipelined dots (BASTION_MOE_UP_DOT), folded
-    # into a narrower sum (BASTION_MOE_UP_FOLD), its K over S programs (BASTION_MOE_UP_SPLIT);
-    # the down kernel's, as pipelined dots (BASTION_MOE_DOWN_DOT).
-    counts = torch.zeros(top_k * inter, dtype=torch.int32, device=dev)
-    partials = torch.empty(top_k * 4 * 2 * inter, dtype=torch.float32, device=dev)
-
-    def up_std(bn, bk, warps, stages=2, consts=None):
-        consts = consts or {}
-        split = consts.get("SPLIT", 1)
-        extra = ({"part_ptr": partials, "counts_ptr": counts, "k_split": h // split}
-                 if split > 1 else {})
-
+    def up_std(bn, bk, warps):
         def run(i):
-            _moe_gemv_up_kernel[(top_k, inter // bn, split)](
+            _moe_gemv_up_kernel[(top_k, inter // bn)](
                 x, w13, act, ids[i], 0, e, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
                 act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=0,
-                LANES=32 * warps, num_warps=warps, num_stages=stages, **consts, **extra)
+                num_warps=warps, num_stages=2)
         return run
 
     def up_tiled(bn, bk, warps, wt):
@@ -187,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=2)
         return run
 
-    def down_std(bn, bk, warps, stages=2, consts=None):
+    def down_std(bn, bk, warps):
         def run(i):
             _moe_gemv_down_kernel[(1, h // bn)](
                 act, w2, out, ids[i], weights, 0, e, h, inter, act.stride(0), w2.stride(0),
                 w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_TOPK=top_k, BLOCK_N=bn,
                 BLOCK_K=bk, USE_PDL=0, PREFETCH=False, W_BYTES=2, LINES=32 * warps,
-                num_warps=warps, num_stages=stages, **(consts or {}))
+                num_warps=warps, num_stages=2)
         return run
 
     def down_tiled(bn, bk, warps, wt):
@@ -209,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         fn(0)
         torch.cuda.synchronize()
         if not torch.allclose(ref.float(), a.float(), rtol=2e-2, atol=2e-2):
-            raise SystemExit(f"{what}: differs from the standard kernel")
+            raise SystemExit(f"{what}: the tiled kernel differs from the standard one")
 
     def measure(name, fn, num_bytes):
         us = time_graph([lambda i=i: fn(i) for i in range(args.sets)], args.replays)
@@ -227,34 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             measure(f"{part} {bn}x{bk} {warps}w, rows as stored", std(bn, bk, warps), num_bytes)
             measure(f"{part} {bn}x{bk} {warps}w, tiled", tiled(bn, bk, warps, wt), num_bytes)
             del wt
-    # The other forms, over the weights as stored.
-    forms = [(f"up 8x128 8w, K step {d} ahead asked of L2", (8, 128, 8, 2, {"AHEAD": d}))
-             for d in (2, 4, 8)]
-    forms += [(f"up as dots {bn}x{bk} {w}w {st} stages", (bn, bk, w, st, {"DOT": True}))
-              for bn, bk, w, st in ((16, 128, 4, 2), (16, 128, 4, 3), (16, 128, 4, 4),
-                                    (16, 128, 4, 5), (16, 64, 4, 6), (32, 128, 4, 3),
-                                    (16, 256, 4, 3))]
-    forms += [(f"up folded {bn}x{bk} {w}w" + (f", K in {sp} programs" if sp > 1 else ""),
-               (bn, bk, w, 1, {"FOLD": fold_width(bn, bk, w), "SPLIT": sp}))
-              for bn, bk, w, sp in ((8, 128, 8, 1), (8, 256, 8, 1), (8, 256, 4, 1),
-                                    (8, 512, 4, 1), (16, 256, 4, 1), (8, 128, 4, 2),
-                                    (8, 256, 8, 2))]
-    for name, (bn, bk, warps, stages, consts) in forms:
-        up_std(8, 128, 8)(0)
-        check(act, up_std(bn, bk, warps, stages, consts), name)
-        measure(name, up_std(bn, bk, warps, stages, consts), up_bytes)
-    for bn, bk, warps, stages in ((16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 4, 3),
-                                  (32, 64, 4, 3), (16, 64, 8, 4)):
-        name = f"down as dots {bn}x{bk} {warps}w {stages} stages"
-        down_std(8, 256, 4)(0)
-        check(out, down_std(bn, bk, warps, stages, {"DOT": True}), name)
-        measure(name, down_std(bn, bk, warps, stages, {"DOT": True}), down_bytes)
     # The same bytes as one contiguous stream per program, in as many programs.
     src = torch.empty(args.sets * up_bytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     sums = torch.empty(top_k * inter // 8, device=dev)
     per = up_bytes // 2 // sums.numel()
     # Steps of 1-2k elements hold what the up kernel holds in flight a program (2-4 KB);
-    # 4-8k, what its folded 8x256 tile and more would.
+    # 4-8k, two and four times that.
     for step in (1024, 2048, 4096, 8192):
         measure(f"stream, {sums.numel()} programs of {per * 2 // 1024} KB, {step * 2} B steps",
                 lambda i, s=step: _stream_kernel[(sums.numel(),)](

@@ -144,34 +144,10 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
             up_args, {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "USE_PDL": 2,
                       "EVICT": "evict_first"},
             {"num_warps": 8, "num_stages": 2, **pdl}),
-           ("moe up 8x128, asking L2 for the K step 4 ahead", _moe_gemv_up_kernel, up_args,
-            {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "USE_PDL": 2, "EVICT": "evict_first",
-             "AHEAD": 4, "LANES": 256},
-            {"num_warps": 8, "num_stages": 2, **pdl}),
-           ("moe up as dots, 16x128 (4 warps, 3 stages)", _moe_gemv_up_kernel, up_args,
-            {"TOP_K": 8, "BLOCK_N": 16, "BLOCK_K": 128, "USE_PDL": 2, "EVICT": "evict_first",
-             "DOT": True}, {"num_warps": 4, "num_stages": 3, **pdl}),
-           ("moe up 8x256 folded (8 warps)", _moe_gemv_up_kernel, up_args,
-            {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2, "EVICT": "evict_first",
-             "FOLD": 8}, {"num_warps": 8, "num_stages": 1, **pdl}),
-           ("moe up 8x512 folded (4 warps)", _moe_gemv_up_kernel, up_args,
-            {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 512, "USE_PDL": 2, "EVICT": "evict_first",
-             "FOLD": 8}, {"num_warps": 4, "num_stages": 1, **pdl}),
-           ("moe up 8x128 folded, K in 2 programs (4 warps)", _moe_gemv_up_kernel,
-            {**up_args, "part_ptr": Ptr("fp32"), "counts_ptr": Ptr("i32"), "k_split": 1024},
-            {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "USE_PDL": 2, "EVICT": "evict_first",
-             "FOLD": 8, "SPLIT": 2}, {"num_warps": 4, "num_stages": 1, **pdl}),
            ("moe down 8x256 (4 warps, 2 stages)", _moe_gemv_down_kernel, down_args,
             {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2,
              "PREFETCH": True, "W_BYTES": 2, "LINES": 128, "EVICT": "evict_first"},
             {"num_warps": 4, "num_stages": 2, **pdl})]
-    for bn, bk, warps, stages in ((16, 64, 4, 4), (16, 128, 4, 3), (32, 64, 4, 3)):
-        name = f"moe down as dots, {bn}x{bk} ({warps} warps, {stages} stages, no L2 prefetch)"
-        out.append((name, _moe_gemv_down_kernel, down_args,
-                    {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": bn, "BLOCK_K": bk, "USE_PDL": 2,
-                     "PREFETCH": False, "W_BYTES": 2, "LINES": 32 * warps,
-                     "EVICT": "evict_first", "DOT": True},
-                    {"num_warps": warps, "num_stages": stages, **pdl}))
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
             "W_BYTES": 2, "LINES": 128, "ONE_ROW": True, "EVICT": "evict_first"}
     qkv_args = {**gemv_args, "N": 5120, "K": 2048, "stride_xm": 2048, "stride_wn": 2048,
@@ -183,8 +159,6 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
                     {"num_warps": 4, **pdl}))
     out.append(("attention decode, 16 splits of 32-key tiles", _unified_attention_kernel,
                 attn_args, attn, {"num_warps": 4, "num_stages": 2, **pdl}))
-    out.append(("attention decode, its metadata read before the wait", _unified_attention_kernel,
-                attn_args, {**attn, "EARLY_META": True}, {"num_warps": 4, "num_stages": 2, **pdl}))
     norm_args = {"out_ptr": Ptr("bf16"), "new_res_ptr": Ptr("bf16"), "x_ptr": Ptr("bf16"),
                  "res_ptr": Ptr("bf16"), "weight_ptr": Ptr("bf16"), "stride_x": 2048,
                  "stride_res": 2048, "eps": 1e-6}

@@ -1,7 +1,7 @@
 """Zeroed int32 counters for kernels whose last program of a group finishes the group's work
-(a split decode's merge, the MoE up kernel's K splits): each group's program counts itself in
-with an atomic add, and the one that sees the count reach the group's size resets it to zero,
-so the buffer is zero again after every launch and a CUDA graph can replay it."""
+(a split decode's merge): each group's program counts itself in with an atomic add, and the
+one that sees the count reach the group's size resets it to zero, so the buffer is zero again
+after every launch and a CUDA graph can replay it."""
 
 from __future__ import annotations
 

@@ -85,17 +85,6 @@ def prefetch_l2(base_ptr, num_bytes, LINES: tl.constexpr):
                                   [base + offs], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def prefetch_lines_l2(ptrs, active):
-    """Ask L2 for the line holding each of ``ptrs`` (a tensor of pointers) where ``active``
-    (int32, same shape) is non-zero; a hint, as ``prefetch_l2``. The predicate keeps a
-    tensor smaller than the program, which Triton replicates over its warps, from asking
-    once a warp."""
-    tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\t}"
-        "\n\tmov.u32 $0, 0;", "=r,l,r", [ptrs, active], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def use_pdl(device: torch.device) -> int:
     """How decode kernels on ``device`` launch: 0 without programmatic dependent launch,
     1 letting the next kernel launch after their wait, 2 as they start (see the module)."""

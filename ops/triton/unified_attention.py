@@ -134,21 +134,10 @@ def _unified_attention_kernel(
     SKIP_DECODE_ROWS: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY_META: tl.constexpr = False,
 ):
     release_early(USE_PDL)
-    # With EARLY_META (decode, BASTION_DECODE_ATTENTION_EARLY_META) a program first reads its
-    # sequence's staged metadata (query start and length, length, its first tile's block-table
-    # entries; the host copied them in before the graph ran), while the kernel before it
-    # drains, and waits after that: three dependent reads fewer after the wait.
-    # NOTE: bt_row, offs_t, seq_len and the split's tiles are set in the EARLY block or at
-    # their places below, not once above both: hoisted, the default kernel compiles otherwise
-    # (prefill attention took 3 more registers under Triton 3.9).
-    EARLY: tl.constexpr = EARLY_META and DECODE
-    if not EARLY:
-        # NOTE: at the very start, so every program waits (most of a decode grid's may exit
-        # below).
-        wait_for_previous(USE_PDL)
+    # NOTE: at the very start, so every program waits (most of a decode grid's may exit below).
+    wait_for_previous(USE_PDL)
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -173,17 +162,6 @@ def _unified_attention_kernel(
 
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
-    if EARLY:
-        bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
-        offs_t = tl.arange(0, TILE)
-        seq_len = tl.load(seq_lens_ptr + seq_idx)
-        # A padding row (no token) returns below; one key keeps its split arithmetic defined.
-        kv_end, tile_lo, tile_hi, live = _split_tiles(seq_len - q_len, tl.maximum(q_len, 1), 0,
-                                                      split, BLOCK_Q, TILE, NUM_SPLITS)
-        k_pos = tile_lo * TILE + offs_t
-        first_blk = tl.load(bt_row + k_pos // KV_BLOCK_SIZE, mask=k_pos < kv_end, other=0)
-        # NOTE: before any program returns (a grid must not end before the one it waits on).
-        wait_for_previous(USE_PDL)
     # A mixed batch runs two launches: decode programs take the sequences with one new token,
     # the others (SKIP_DECODE_ROWS) the rest.
     if DECODE:
@@ -197,14 +175,12 @@ def _unified_attention_kernel(
     # NOTE: the grid is an upper bound on the number of query blocks; spare programs exit here.
     if q_block_local * BLOCK_Q >= q_len:
         return
-    if not EARLY:
-        seq_len = tl.load(seq_lens_ptr + seq_idx)
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
     ctx_len = seq_len - q_len  # new tokens are the last q_len tokens of the context
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    if not EARLY:
-        offs_t = tl.arange(0, TILE)
+    offs_t = tl.arange(0, TILE)
     q_local = q_block_local * BLOCK_Q + offs_m // NUM_Q_PER_KV
     head = kv_head * NUM_Q_PER_KV + offs_m % NUM_Q_PER_KV
     row_ok = (offs_m // NUM_Q_PER_KV < BLOCK_Q) & (q_local < q_len)
@@ -218,28 +194,28 @@ def _unified_attention_kernel(
         other=0.0,
     )
 
-    if not EARLY:
-        kv_end, tile_lo, tile_hi, live = _split_tiles(ctx_len, q_len, q_block_local, split,
-                                                      BLOCK_Q, TILE, NUM_SPLITS)
+    # Causality bounds the keys this block can see by its last token's position.
+    kv_end = ctx_len + tl.minimum(q_len, (q_block_local + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    # Splits that see a key. A CUDA graph fixes NUM_SPLITS by its captured bound while the real
+    # contexts are often far shorter; with the fused merge the splits past these exit here, and
+    # neither store, count nor are read back (Qwen3-30B-A3B at batch 1, 160 keys: 3 of 16).
+    live = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
     if FUSED_MERGE and split >= live:
         return
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    if not EARLY:
-        bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
+    bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
 
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * TILE + offs_t
         k_ok = k_pos < kv_end
-        if EARLY:  # the first tile's entries were read before the wait
-            first = k_pos < (tile_lo + 1) * TILE
-            blk = tl.where(first, first_blk,
-                           tl.load(bt_row + k_pos // KV_BLOCK_SIZE, mask=k_ok & ~first,
-                                   other=0)).to(tl.int64)
-        else:
-            blk = tl.load(bt_row + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        blk = tl.load(bt_row + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         in_blk = (k_pos % KV_BLOCK_SIZE).to(tl.int64)
         k_off = blk * stride_k_blk + in_blk * stride_k_off + kv_head * stride_k_h
         k = tl.load(
@@ -310,24 +286,6 @@ def _unified_attention_kernel(
                     out.to(out_ptr.dtype.element_ty),
                     mask=row_ok[:, None] & d_ok[None, :],
                 )
-
-
-@triton.jit
-def _split_tiles(ctx_len, q_len, q_block_local, split, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr):
-    """A query block's keys and its split's share of them: (the end of the keys it sees,
-    the split's first tile, the tile past its last, the splits that see a key)."""
-    # Causality bounds the keys this block can see by its last token's position.
-    kv_end = ctx_len + tl.minimum(q_len, (q_block_local + 1) * BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, TILE)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    # Splits that see a key. A CUDA graph fixes NUM_SPLITS by its captured bound while the real
-    # contexts are often far shorter; with the fused merge the splits past these exit, and
-    # neither store, count nor are read back (Qwen3-30B-A3B at batch 1, 160 keys: 3 of 16).
-    live = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
-    return kv_end, tile_lo, tile_hi, live
 
 
 # A/B switches of the whole engine (bastion.envs): BASTION_SPLIT_MIXED_ATTENTION=0 runs a mixed
@@ -501,8 +459,7 @@ def paged_attention_triton(
     consts = {"NUM_Q_PER_KV": num_q_per_kv, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad,
               "KV_BLOCK_SIZE": block_size, "NUM_SPLITS": num_splits,
               "IEEE_DOT": query.dtype == torch.float32, "FUSED_MERGE": fused_merge,
-              "USE_PDL": use_pdl(query.device),
-              "EARLY_META": envs.get("BASTION_DECODE_ATTENTION_EARLY_META")}
+              "USE_PDL": use_pdl(query.device)}
     _launch((num_q_blocks, num_kv_heads, num_splits), main, args,
             DECODE=is_decode, SKIP_DECODE_ROWS=split_decode, **consts)
     if split_decode:
