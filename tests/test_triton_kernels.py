@@ -817,6 +817,48 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
+@pytest.mark.parametrize("num_experts,top_k,num_tokens,tile", [
+    (4, 1, 1, "8,32,16,4,1"), (16, 8, 1, "16,32,32,4,1"), (8, 8, 3, "8,16,64,4,1"),
+    (8, 2, 5, "32,64,8,4,1")])
+def test_fused_moe_gemv_one_pass(monkeypatch: pytest.MonkeyPatch, num_experts: int, top_k: int,
+                                 num_tokens: int, tile: str) -> None:
+    """``BASTION_MOE_ONE_PASS``: one kernel whose programs add their down shares into float32
+    rows matches the reference (tiles that do not divide the sizes, masked columns and rows),
+    twice in a row, with its sums and counts back at zero after each launch; an expert-parallel
+    half gives exact zeros for tokens with no expert there and for padding rows."""
+    from bastion.ops.triton.counters import counters_of
+
+    monkeypatch.setenv("BASTION_MOE_ONE_PASS", tile)
+    gen = torch.Generator().manual_seed(num_experts + 100 * num_tokens)
+    hidden, inter = 72, 40
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen),
+                                      top_k, True)
+    ids = ids.int()
+    config = {"gemv": _GEMV_TILES}
+    for _ in range(2):
+        out = fused_moe_triton(x, w13, w2, weights, ids, config=config)
+        torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
+                                   atol=1e-5)
+        assert not counters_of("moe_one_pass", CPU).any()
+        assert not counters_of("moe_one_pass_sums", CPU).any()
+    if num_tokens < 3:
+        return
+    half = num_experts // 2
+    ids[0] = torch.arange(top_k, dtype=torch.int32) % half  # only the low half's experts
+    ids[-1] = -1  # a padding row
+    low = fused_moe_triton(x, w13[:half], w2[:half], weights, ids, expert_offset=0,
+                           config=config)
+    high = fused_moe_triton(x, w13[half:], w2[half:], weights, ids, expert_offset=half,
+                            config=config)
+    assert torch.count_nonzero(high[0]) == 0
+    assert torch.count_nonzero(low[-1]) == 0 and torch.count_nonzero(high[-1]) == 0
+    torch.testing.assert_close(low + high, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_fused_moe_gemv_release_at_end_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``BASTION_MOE_UP_RELEASE_AT_END``: the up kernel lets the down kernel launch only at its
     end, and only under programmatic launch (which the interpreter cannot run: the launches
