@@ -209,12 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         sums = zeroed_counters("bench_one_pass_sums", dev, h, torch.float32)
         counts = zeroed_counters("bench_one_pass", dev, 1)
 
-        def one_pass(bn, bk, bh, warps):
+        # The down weights also as [E, I, H] (each program's columns one contiguous run).
+        w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)
+
+        def one_pass(bn, bk, bh, warps, w=w2):
             def run(i):
                 _moe_gemv_one_pass_kernel[(top_k, inter // bn)](
-                    x, w13, w2, out, sums, counts, ids[i], weights, 0, e, inter, h,
-                    x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-                    out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=bh, USE_PDL=0,
+                    x, w13, w, out, sums, counts, ids[i], weights, 0, e, inter, h,
+                    x.stride(0), w13.stride(0), w13.stride(1), w.stride(0), w.stride(1),
+                    w.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=bh, USE_PDL=0,
                     num_warps=warps, num_stages=2)
             return run
 
@@ -232,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             check(out, one_pass(bn, bk, bh, warps), f"one pass {tile}")
             measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w", one_pass(bn, bk, bh, warps),
                     up_bytes + down_bytes)
+            both(0)
+            check(out, one_pass(bn, bk, bh, warps, w2_t), f"one pass {tile}, down as [E, I, H]")
+            measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w, down as [E, I, H]",
+                    one_pass(bn, bk, bh, warps, w2_t), up_bytes + down_bytes)
         parts = ()
     else:
         parts = (("up", up_std, up_tiled, tile_up, w13, act, up_bytes,

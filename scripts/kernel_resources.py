@@ -162,7 +162,7 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
                      "ids_ptr": Ptr("i32"), "weights_ptr": Ptr("fp32"), "expert_offset": 0,
                      "num_local": 128, "N": 768, "K": 2048, "stride_x": 2048,
                      "stride_w13e": 1536 * 2048, "stride_w13n": 2048, "stride_w2e": 2048 * 768,
-                     "stride_w2n": 768, "stride_out": 2048}
+                     "stride_w2n": 768, "stride_w2k": 1, "stride_out": 2048}
     for block_n, block_k, block_h, warps in ONE_PASS_TILES:
         out.append((f"moe one pass {block_n}x{block_k}, down {block_h} rows ({warps} warps)",
                     _moe_gemv_one_pass_kernel, one_pass_args,

@@ -187,6 +187,7 @@ def _moe_gemv_one_pass_kernel(
     stride_w13n,
     stride_w2e,
     stride_w2n,
+    stride_w2k,
     stride_out,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -230,7 +231,7 @@ def _moe_gemv_one_pass_kernel(
         # added into the token's float32 row.
         offs_h = tl.arange(0, BLOCK_H)
         w_ptrs = w2_ptr + expert * stride_w2e + offs_h[:, None].to(tl.int64) * stride_w2n \
-            + offs_n[None, :]
+            + offs_n[None, :].to(tl.int64) * stride_w2k
         sum_ptrs = acc_ptr + token * K + offs_h
         for h in range(0, K, BLOCK_H):
             h_ok = offs_h < K - h
@@ -316,7 +317,7 @@ def _one_pass(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     _moe_gemv_one_pass_kernel[(num_tokens * top_k, triton.cdiv(two_n // 2, tile["BLOCK_N"]))](
         hidden, w13, w2, out, sums, counts, ids, weights, expert_offset, num_local, two_n // 2,
         hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+        w2.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
         BLOCK_H=tile["BLOCK_H"], USE_PDL=pdl, EVICT=evict, num_warps=tile["num_warps"],
         num_stages=tile["num_stages"], launch_pdl=bool(pdl))
 
