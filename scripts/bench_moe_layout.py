@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                 _moe_gemv_one_pass_kernel[(top_k, inter // bn)](
                     x, w13, w, out, sums, counts, ids[i], weights, 0, e, inter, h,
                     x.stride(0), w13.stride(0), w13.stride(1), w.stride(0), w.stride(1),
-                    w.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=bh, USE_PDL=0,
+                    w.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=bh,
+                    BLOCK_OUT=h, USE_PDL=0,
                     num_warps=warps, num_stages=2)
             return run
 
@@ -228,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         both(0)
         measure("up 8x128 8w then down 8x256 4w (the tuned pair, no PDL)", both,
                 up_bytes + down_bytes)
-        for tile in args.one_pass or ("8,128,64,8", "16,128,64,8", "32,128,64,8",
-                                      "32,64,128,8", "64,64,64,8"):
+        for tile in args.one_pass or ("32,128,256,8", "32,256,512,8", "16,256,512,8",
+                                      "64,128,256,8"):
             bn, bk, bh, warps = map(int, tile.split(","))
             both(0)
             check(out, one_pass(bn, bk, bh, warps), f"one pass {tile}")

@@ -108,8 +108,8 @@ def sass_order(cubin: bytes) -> str:
 
 
 # BASTION_MOE_ONE_PASS candidates (BLOCK_N, BLOCK_K, BLOCK_H, warps).
-ONE_PASS_TILES = ((8, 128, 64, 8), (16, 128, 64, 8), (32, 128, 64, 8), (32, 64, 128, 8),
-                  (64, 64, 64, 8))
+ONE_PASS_TILES = ((32, 128, 256, 8), (32, 256, 512, 8), (16, 256, 512, 8), (64, 128, 256, 8),
+                  (32, 128, 256, 4), (16, 128, 512, 4))
 
 
 def variants() -> list[tuple[str, object, dict, dict, dict]]:
@@ -167,7 +167,7 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
         out.append((f"moe one pass {block_n}x{block_k}, down {block_h} rows ({warps} warps)",
                     _moe_gemv_one_pass_kernel, one_pass_args,
                     {"TOP_K": 8, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_H": block_h,
-                     "USE_PDL": 2, "EVICT": "evict_first"},
+                     "BLOCK_OUT": 2048, "USE_PDL": 2, "EVICT": "evict_first"},
                     {"num_warps": warps, "num_stages": 2, **pdl}))
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
             "W_BYTES": 2, "LINES": 128, "ONE_ROW": True, "EVICT": "evict_first"}

@@ -193,6 +193,7 @@ def _moe_gemv_one_pass_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr = "",
 ):
@@ -243,15 +244,13 @@ def _moe_gemv_one_pass_kernel(
     # The token's last program to count itself in (its adds, and everyone's before theirs,
     # visible through the count's acquire) writes the row and leaves the sums and the count
     # at zero for the next launch.
+    # The whole row in one load: a loop would wait on L2 once a step.
     if tl.atomic_add(count_ptr + token, 1, sem="acq_rel") == TOP_K * tl.num_programs(1) - 1:
-        offs_h = tl.arange(0, BLOCK_H)
-        for h in range(0, K, BLOCK_H):
-            h_ok = offs_h < K - h
-            sums = tl.load(acc_ptr + token * K + h + offs_h, mask=h_ok, other=0.0,
-                           cache_modifier=".cg")
-            tl.store(out_ptr + token * stride_out + h + offs_h,
-                     sums.to(out_ptr.dtype.element_ty), mask=h_ok)
-            tl.store(acc_ptr + token * K + h + offs_h, tl.zeros_like(sums), mask=h_ok)
+        offs = tl.arange(0, BLOCK_OUT)
+        ok = offs < K
+        sums = tl.load(acc_ptr + token * K + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + token * stride_out + offs, sums.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(acc_ptr + token * K + offs, tl.zeros_like(sums), mask=ok)
         tl.atomic_xchg(count_ptr + token, 0, sem="relaxed")
 
 
@@ -318,7 +317,8 @@ def _one_pass(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         hidden, w13, w2, out, sums, counts, ids, weights, expert_offset, num_local, two_n // 2,
         hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
         w2.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-        BLOCK_H=tile["BLOCK_H"], USE_PDL=pdl, EVICT=evict, num_warps=tile["num_warps"],
+        BLOCK_H=tile["BLOCK_H"], BLOCK_OUT=triton.next_power_of_2(hidden_size), USE_PDL=pdl,
+        EVICT=evict, num_warps=tile["num_warps"],
         num_stages=tile["num_stages"], launch_pdl=bool(pdl))
 
 
