@@ -755,18 +755,26 @@ _GEMV_TILES = {"up": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4, "n
                "down": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 32, "num_warps": 4, "num_stages": 1}}
 
 
-@pytest.mark.parametrize("num_experts,top_k,num_tokens", [
-    (4, 1, 1), (8, 2, 1), (16, 8, 1), (8, 8, 3), (8, 2, 9)])
-def test_fused_moe_gemv_matches_reference(num_experts: int, top_k: int, num_tokens: int) -> None:
-    """The matrix-vector path: tiles that do not divide the sizes (masked columns and K),
-    one token, tokens sharing experts, and every expert chosen by some token (top-8 of 8)."""
-    gen = torch.Generator().manual_seed(num_experts * 10 + top_k + num_tokens)
+def _gemv_case(seed: int, num_experts: int, top_k: int, num_tokens: int
+               ) -> tuple[torch.Tensor, ...]:
+    """Hidden states, weights and a routing at sizes no tile divides (hidden 72, inter 40)."""
+    gen = torch.Generator().manual_seed(seed)
     hidden, inter = 72, 40
     x = torch.randn(num_tokens, hidden, generator=gen)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
     weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen),
                                       top_k, True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("num_experts,top_k,num_tokens", [
+    (4, 1, 1), (8, 2, 1), (16, 8, 1), (8, 8, 3), (8, 2, 9)])
+def test_fused_moe_gemv_matches_reference(num_experts: int, top_k: int, num_tokens: int) -> None:
+    """The matrix-vector path: tiles that do not divide the sizes (masked columns and K),
+    one token, tokens sharing experts, and every expert chosen by some token (top-8 of 8)."""
+    x, w13, w2, weights, ids = _gemv_case(num_experts * 10 + top_k + num_tokens, num_experts,
+                                          top_k, num_tokens)
     out = fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
                                atol=1e-5)
@@ -829,13 +837,8 @@ def test_fused_moe_gemv_one_pass(monkeypatch: pytest.MonkeyPatch, num_experts: i
     from bastion.ops.triton.counters import counters_of
 
     monkeypatch.setenv("BASTION_MOE_ONE_PASS", tile)
-    gen = torch.Generator().manual_seed(num_experts + 100 * num_tokens)
-    hidden, inter = 72, 40
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
-    weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen),
-                                      top_k, True)
+    x, w13, w2, weights, ids = _gemv_case(num_experts + 100 * num_tokens, num_experts, top_k,
+                                          num_tokens)
     ids = ids.int()
     config = {"gemv": _GEMV_TILES}
     for _ in range(2):

@@ -36,6 +36,31 @@ from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, r
 
 
 @triton.jit
+def _gate_up(x_ptr, w13_ptr, offs_n, n_ok, N, K, stride_wn, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+    """One token's gate and up products for the columns ``offs_n`` of one expert (``w13_ptr``
+    at its first row, gate rows then up rows ``N`` later), reduced once at the end."""
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_ptrs = w13_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + N * stride_wn
+    x_ptrs = x_ptr + offs_k
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        g = tl.load(gate_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        u = tl.load(up_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        acc_gate += g * x[None, :]
+        acc_up += u * x[None, :]
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    return tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
 def _moe_gemv_up_kernel(
     x_ptr,
     w13_ptr,
@@ -68,26 +93,8 @@ def _moe_gemv_up_kernel(
     token = (pair // TOP_K).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    gate_ptrs = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
-        + offs_k[None, :]
-    up_ptrs = gate_ptrs + N * stride_wn
-    x_ptrs = x_ptr + token * stride_x + offs_k
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k
-        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        mask = n_ok[:, None] & k_ok[None, :]
-        g = tl.load(gate_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        u = tl.load(up_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        acc_gate += g * x[None, :]
-        acc_up += u * x[None, :]
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    gate = tl.sum(acc_gate, axis=1)
-    up = tl.sum(acc_up, axis=1)
+    gate, up = _gate_up(x_ptr + token * stride_x, w13_ptr + expert * stride_we, offs_n, n_ok, N,
+                        K, stride_wn, BLOCK_N, BLOCK_K, EVICT)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n,
              act.to(act_ptr.dtype.element_ty), mask=n_ok)
@@ -206,26 +213,8 @@ def _moe_gemv_one_pass_kernel(
     if (expert >= 0) & (expert < num_local):
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        gate_ptrs = w13_ptr + expert * stride_w13e + offs_n[:, None].to(tl.int64) * stride_w13n \
-            + offs_k[None, :]
-        up_ptrs = gate_ptrs + N * stride_w13n
-        x_ptrs = x_ptr + token * stride_x + offs_k
-        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            mask = n_ok[:, None] & k_ok[None, :]
-            g = tl.load(gate_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-            u = tl.load(up_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-            acc_gate += g * x[None, :]
-            acc_up += u * x[None, :]
-            x_ptrs += BLOCK_K
-            gate_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
-        gate = tl.sum(acc_gate, axis=1)
-        up = tl.sum(acc_up, axis=1)
+        gate, up = _gate_up(x_ptr + token * stride_x, w13_ptr + expert * stride_w13e, offs_n,
+                            n_ok, N, K, stride_w13n, BLOCK_N, BLOCK_K, EVICT)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         act = tl.where(n_ok, gate / (1.0 + tl.exp(-gate)) * up * weight, 0.0)
         # This program's BLOCK_N columns of the expert's down product, over every hidden row,
