@@ -162,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     down_bytes = top_k * h * inter * 2
     rows = []
 
-    def up_std(bn, bk, warps):
+    # pdl=2: launched as in the model (programmatic launch released early, evict-first
+    # weights, the down kernel's L2 prefetch).
+    def up_std(bn, bk, warps, pdl=0):
         def run(i):
             _moe_gemv_up_kernel[(top_k, inter // bn)](
                 x, w13, act, ids[i], 0, e, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-                act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=0,
-                num_warps=warps, num_stages=2)
+                act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
+                EVICT="evict_first" if pdl else "", num_warps=warps, num_stages=2,
+                launch_pdl=bool(pdl))
         return run
 
     def up_tiled(bn, bk, warps, wt):
@@ -177,13 +180,14 @@ def main(argv: list[str] | None = None) -> int:
                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=2)
         return run
 
-    def down_std(bn, bk, warps):
+    def down_std(bn, bk, warps, pdl=0):
         def run(i):
             _moe_gemv_down_kernel[(1, h // bn)](
                 act, w2, out, ids[i], weights, 0, e, h, inter, act.stride(0), w2.stride(0),
                 w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_TOPK=top_k, BLOCK_N=bn,
-                BLOCK_K=bk, USE_PDL=0, PREFETCH=False, W_BYTES=2, LINES=32 * warps,
-                num_warps=warps, num_stages=2)
+                BLOCK_K=bk, USE_PDL=pdl, PREFETCH=bool(pdl), W_BYTES=2, LINES=32 * warps,
+                EVICT="evict_first" if pdl else "", num_warps=warps, num_stages=2,
+                launch_pdl=bool(pdl))
         return run
 
     def down_tiled(bn, bk, warps, wt):
@@ -212,23 +216,25 @@ def main(argv: list[str] | None = None) -> int:
         # The down weights also as [E, I, H] (each program's columns one contiguous run).
         w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)
 
-        def one_pass(bn, bk, bh, warps, w=w2):
+        def one_pass(bn, bk, bh, warps, w=w2):  # launched as in the model
             def run(i):
                 _moe_gemv_one_pass_kernel[(top_k, inter // bn)](
                     x, w13, w, out, sums, counts, ids[i], weights, 0, e, inter, h,
                     x.stride(0), w13.stride(0), w13.stride(1), w.stride(0), w.stride(1),
                     w.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=bh,
-                    BLOCK_OUT=h, USE_PDL=0,
-                    num_warps=warps, num_stages=2)
+                    BLOCK_OUT=h, USE_PDL=2, EVICT="evict_first", num_warps=warps,
+                    num_stages=2, launch_pdl=True)
             return run
 
-        def both(i):
-            up_std(8, 128, 8)(i)
-            down_std(8, 256, 4)(i)
+        def both(i, pdl=0):
+            up_std(8, 128, 8, pdl)(i)
+            down_std(8, 256, 4, pdl)(i)
 
         both(0)
         measure("up 8x128 8w then down 8x256 4w (the tuned pair, no PDL)", both,
                 up_bytes + down_bytes)
+        measure("the tuned pair as in the model (PDL, evict-first, down prefetch)",
+                lambda i: both(i, 2), up_bytes + down_bytes)
         for tile in args.one_pass or ("32,128,256,8", "32,256,512,8", "16,256,512,8",
                                       "64,128,256,8"):
             bn, bk, bh, warps = map(int, tile.split(","))
