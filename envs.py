@@ -145,6 +145,10 @@ VARIABLES: dict[str, EnvVar] = {
         {}, _one_pass_tile, "'BLOCK_N,BLOCK_K,BLOCK_H,num_warps,num_stages': the MoE layer at a "
         "few tokens in one kernel, each program's down share added into float32 rows, instead "
         "of the up and down kernels (ops/triton/fused_moe_gemv.py; A/B runs)"),
+    "BASTION_MOE_ONE_PASS_EXACT": EnvVar(
+        False, _flag, "1: with BASTION_MOE_ONE_PASS, the down shares are added as int64 in "
+        "units of 2**-32 (sums that do not depend on the order of the adds; |sum| < 2**31) "
+        "instead of float32 (A/B runs)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

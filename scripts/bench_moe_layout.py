@@ -211,19 +211,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.one_pass is not None:
         sums = zeroed_counters("bench_one_pass_sums", dev, h, torch.float32)
+        sums64 = zeroed_counters("bench_one_pass_sums64", dev, h, torch.int64)
         counts = zeroed_counters("bench_one_pass", dev, 1)
 
         # The down weights also as [E, I, H] (each program's columns one contiguous run).
         w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)
 
-        def one_pass(bn, bk, bh, warps, w=w2):  # launched as in the model
+        def one_pass(bn, bk, bh, warps, w=w2, exact=False):  # launched as in the model
             def run(i):
                 _moe_gemv_one_pass_kernel[(top_k, inter // bn)](
-                    x, w13, w, out, sums, counts, ids[i], weights, 0, e, inter, h,
+                    x, w13, w, out, sums64 if exact else sums, counts, ids[i], weights, 0, e,
+                    inter, h,
                     x.stride(0), w13.stride(0), w13.stride(1), w.stride(0), w.stride(1),
                     w.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=bh,
-                    BLOCK_OUT=h, USE_PDL=2, EVICT="evict_first", num_warps=warps,
-                    num_stages=2, launch_pdl=True)
+                    BLOCK_OUT=h, USE_PDL=2, EVICT="evict_first", EXACT=exact,
+                    num_warps=warps, num_stages=2, launch_pdl=True)
             return run
 
         def both(i, pdl=0):
@@ -246,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             check(out, one_pass(bn, bk, bh, warps, w2_t), f"one pass {tile}, down as [E, I, H]")
             measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w, down as [E, I, H]",
                     one_pass(bn, bk, bh, warps, w2_t), up_bytes + down_bytes)
+            both(0)
+            check(out, one_pass(bn, bk, bh, warps, exact=True), f"one pass {tile}, int64 sums")
+            measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w, int64 sums",
+                    one_pass(bn, bk, bh, warps, exact=True), up_bytes + down_bytes)
         parts = ()
     else:
         parts = (("up", up_std, up_tiled, tile_up, w13, act, up_bytes,

@@ -107,9 +107,10 @@ def sass_order(cubin: bytes) -> str:
     return " ".join(op if n == 1 else f"{op}x{n}" for op, n in runs)
 
 
-# BASTION_MOE_ONE_PASS candidates (BLOCK_N, BLOCK_K, BLOCK_H, warps).
-ONE_PASS_TILES = ((32, 128, 256, 8), (32, 256, 512, 8), (16, 256, 512, 8), (64, 128, 256, 8),
-                  (32, 128, 256, 4), (16, 128, 512, 4))
+# BASTION_MOE_ONE_PASS candidates (BLOCK_N, BLOCK_K, BLOCK_H, warps, int64 sums).
+ONE_PASS_TILES = ((32, 128, 256, 8, False), (32, 256, 512, 8, False), (16, 256, 512, 8, False),
+                  (64, 128, 256, 8, False), (32, 128, 256, 4, False), (16, 128, 512, 4, False),
+                  (32, 128, 256, 8, True))
 
 
 def variants() -> list[tuple[str, object, dict, dict, dict]]:
@@ -163,11 +164,13 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
                      "num_local": 128, "N": 768, "K": 2048, "stride_x": 2048,
                      "stride_w13e": 1536 * 2048, "stride_w13n": 2048, "stride_w2e": 2048 * 768,
                      "stride_w2n": 768, "stride_w2k": 1, "stride_out": 2048}
-    for block_n, block_k, block_h, warps in ONE_PASS_TILES:
-        out.append((f"moe one pass {block_n}x{block_k}, down {block_h} rows ({warps} warps)",
-                    _moe_gemv_one_pass_kernel, one_pass_args,
+    for block_n, block_k, block_h, warps, exact in ONE_PASS_TILES:
+        sums = ", int64 sums" if exact else ""
+        out.append((f"moe one pass {block_n}x{block_k}, down {block_h} rows ({warps} warps{sums})",
+                    _moe_gemv_one_pass_kernel,
+                    {**one_pass_args, "acc_ptr": Ptr("i64" if exact else "fp32")},
                     {"TOP_K": 8, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_H": block_h,
-                     "BLOCK_OUT": 2048, "USE_PDL": 2, "EVICT": "evict_first"},
+                     "BLOCK_OUT": 2048, "USE_PDL": 2, "EVICT": "evict_first", "EXACT": exact},
                     {"num_warps": warps, "num_stages": 2, **pdl}))
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
             "W_BYTES": 2, "LINES": 128, "ONE_ROW": True, "EVICT": "evict_first"}

@@ -825,18 +825,20 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
-@pytest.mark.parametrize("num_experts,top_k,num_tokens,tile", [
-    (4, 1, 1, "8,32,16,4,1"), (16, 8, 1, "16,32,32,4,1"), (8, 8, 3, "8,16,64,4,1"),
-    (8, 2, 5, "32,64,8,4,1")])
+@pytest.mark.parametrize("num_experts,top_k,num_tokens,tile,exact", [
+    (4, 1, 1, "8,32,16,4,1", "0"), (16, 8, 1, "16,32,32,4,1", "0"),
+    (8, 8, 3, "8,16,64,4,1", "0"), (8, 2, 5, "32,64,8,4,1", "0"), (8, 8, 3, "8,16,64,4,1", "1")])
 def test_fused_moe_gemv_one_pass(monkeypatch: pytest.MonkeyPatch, num_experts: int, top_k: int,
-                                 num_tokens: int, tile: str) -> None:
+                                 num_tokens: int, tile: str, exact: str) -> None:
     """``BASTION_MOE_ONE_PASS``: one kernel whose programs add their down shares into float32
-    rows matches the reference (tiles that do not divide the sizes, masked columns and rows),
-    twice in a row, with its sums and counts back at zero after each launch; an expert-parallel
-    half gives exact zeros for tokens with no expert there and for padding rows."""
+    rows (int64 fixed point with ``BASTION_MOE_ONE_PASS_EXACT``) matches the reference (tiles
+    that do not divide the sizes, masked columns and rows), twice in a row, with its sums and
+    counts back at zero after each launch; an expert-parallel half gives exact zeros for tokens
+    with no expert there and for padding rows."""
     from bastion.ops.triton.counters import counters_of
 
     monkeypatch.setenv("BASTION_MOE_ONE_PASS", tile)
+    monkeypatch.setenv("BASTION_MOE_ONE_PASS_EXACT", exact)
     x, w13, w2, weights, ids = _gemv_case(num_experts + 100 * num_tokens, num_experts, top_k,
                                           num_tokens)
     ids = ids.int()
@@ -846,7 +848,9 @@ def test_fused_moe_gemv_one_pass(monkeypatch: pytest.MonkeyPatch, num_experts: i
         torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
                                    atol=1e-5)
         assert not counters_of("moe_one_pass", CPU).any()
-        assert not counters_of("moe_one_pass_sums", CPU).any()
+        sums = counters_of("moe_one_pass_sums", CPU)
+        assert sums.dtype == (torch.int64 if exact == "1" else torch.float32)
+        assert not sums.any()
     if num_tokens < 3:
         return
     half = num_experts // 2

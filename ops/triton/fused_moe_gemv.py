@@ -203,6 +203,7 @@ def _moe_gemv_one_pass_kernel(
     BLOCK_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr = "",
+    EXACT: tl.constexpr = False,
 ):
     # Released after the wait, as the up kernel: the kernel after this one reads nothing
     # before its own wait.
@@ -218,7 +219,8 @@ def _moe_gemv_one_pass_kernel(
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         act = tl.where(n_ok, gate / (1.0 + tl.exp(-gate)) * up * weight, 0.0)
         # This program's BLOCK_N columns of the expert's down product, over every hidden row,
-        # added into the token's float32 row.
+        # added into the token's row: float32, or with EXACT int64 in units of 2**-32, whose
+        # sums do not depend on the order the adds arrive in.
         offs_h = tl.arange(0, BLOCK_H)
         w_ptrs = w2_ptr + expert * stride_w2e + offs_h[:, None].to(tl.int64) * stride_w2n \
             + offs_n[None, :].to(tl.int64) * stride_w2k
@@ -227,7 +229,10 @@ def _moe_gemv_one_pass_kernel(
             h_ok = offs_h < K - h
             w = tl.load(w_ptrs, mask=h_ok[:, None] & n_ok[None, :], other=0.0,
                         eviction_policy=EVICT).to(tl.float32)
-            tl.atomic_add(sum_ptrs, tl.sum(w * act[None, :], axis=1), mask=h_ok, sem="relaxed")
+            part = tl.sum(w * act[None, :], axis=1)
+            if EXACT:
+                part = (part * 4294967296.0).to(tl.int64)
+            tl.atomic_add(sum_ptrs, part, mask=h_ok, sem="relaxed")
             w_ptrs += BLOCK_H * stride_w2n
             sum_ptrs += BLOCK_H
     # The token's last program to count itself in (its adds, and everyone's before theirs,
@@ -237,8 +242,11 @@ def _moe_gemv_one_pass_kernel(
     if tl.atomic_add(count_ptr + token, 1, sem="acq_rel") == TOP_K * tl.num_programs(1) - 1:
         offs = tl.arange(0, BLOCK_OUT)
         ok = offs < K
-        sums = tl.load(acc_ptr + token * K + offs, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + token * stride_out + offs, sums.to(out_ptr.dtype.element_ty), mask=ok)
+        sums = tl.load(acc_ptr + token * K + offs, mask=ok, other=0, cache_modifier=".cg")
+        row = sums.to(tl.float32)
+        if EXACT:
+            row = row * (1.0 / 4294967296.0)
+        tl.store(out_ptr + token * stride_out + offs, row.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(acc_ptr + token * K + offs, tl.zeros_like(sums), mask=ok)
         tl.atomic_xchg(count_ptr + token, 0, sem="relaxed")
 
@@ -299,15 +307,16 @@ def _one_pass(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     num_tokens, hidden_size = hidden.shape
     num_local, two_n, _ = w13.shape
     top_k = ids.shape[1]
+    exact = envs.get("BASTION_MOE_ONE_PASS_EXACT")
     sums = zeroed_counters("moe_one_pass_sums", hidden.device, num_tokens * hidden_size,
-                           torch.float32)
+                           torch.int64 if exact else torch.float32)
     counts = zeroed_counters("moe_one_pass", hidden.device, num_tokens)
     _moe_gemv_one_pass_kernel[(num_tokens * top_k, triton.cdiv(two_n // 2, tile["BLOCK_N"]))](
         hidden, w13, w2, out, sums, counts, ids, weights, expert_offset, num_local, two_n // 2,
         hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
         w2.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
         BLOCK_H=tile["BLOCK_H"], BLOCK_OUT=triton.next_power_of_2(hidden_size), USE_PDL=pdl,
-        EVICT=evict, num_warps=tile["num_warps"],
+        EVICT=evict, EXACT=exact, num_warps=tile["num_warps"],
         num_stages=tile["num_stages"], launch_pdl=bool(pdl))
 
 
