@@ -240,18 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         for tile in args.one_pass or ("32,128,256,8", "32,256,512,8", "16,256,512,8",
                                       "64,128,256,8"):
             bn, bk, bh, warps = map(int, tile.split(","))
-            both(0)
-            check(out, one_pass(bn, bk, bh, warps), f"one pass {tile}")
-            measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w", one_pass(bn, bk, bh, warps),
-                    up_bytes + down_bytes)
-            both(0)
-            check(out, one_pass(bn, bk, bh, warps, w2_t), f"one pass {tile}, down as [E, I, H]")
-            measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w, down as [E, I, H]",
-                    one_pass(bn, bk, bh, warps, w2_t), up_bytes + down_bytes)
-            both(0)
-            check(out, one_pass(bn, bk, bh, warps, exact=True), f"one pass {tile}, int64 sums")
-            measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w, int64 sums",
-                    one_pass(bn, bk, bh, warps, exact=True), up_bytes + down_bytes)
+            for form, kwargs in (("", {}), (", down as [E, I, H]", {"w": w2_t}),
+                                 (", int64 sums", {"exact": True})):
+                run = one_pass(bn, bk, bh, warps, **kwargs)
+                both(0)
+                check(out, run, f"one pass {tile}{form}")
+                measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w{form}", run,
+                        up_bytes + down_bytes)
         parts = ()
     else:
         parts = (("up", up_std, up_tiled, tile_up, w13, act, up_bytes,

@@ -236,9 +236,8 @@ def _moe_gemv_one_pass_kernel(
             w_ptrs += BLOCK_H * stride_w2n
             sum_ptrs += BLOCK_H
     # The token's last program to count itself in (its adds, and everyone's before theirs,
-    # visible through the count's acquire) writes the row and leaves the sums and the count
-    # at zero for the next launch.
-    # The whole row in one load: a loop would wait on L2 once a step.
+    # visible through the count's acquire) writes the row, read in one load (a loop would wait
+    # on L2 once a step), and leaves the sums and the count at zero for the next launch.
     if tl.atomic_add(count_ptr + token, 1, sem="acq_rel") == TOP_K * tl.num_programs(1) - 1:
         offs = tl.arange(0, BLOCK_OUT)
         ok = offs < K
@@ -272,12 +271,12 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
-    act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
     pdl, evict = use_pdl(hidden.device), evict_policy(hidden.device)
     one_pass = envs.get("BASTION_MOE_ONE_PASS")
     if one_pass:
         _one_pass(hidden, w13, w2, weights, ids, expert_offset, out, one_pass, pdl, evict)
         return out
+    act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
     up, down = _tiles(config)
     routed_bytes = num_tokens * top_k * w2[0].numel() * w2.element_size()  # at the most
     _moe_gemv_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_SIZE_N"]))](
@@ -303,7 +302,8 @@ def _one_pass(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
               evict: str) -> None:
     """The layer in one launch (``BASTION_MOE_ONE_PASS``): a program per (pair, ``BLOCK_N``
     intermediate columns) computes its products and at once their share of the down product,
-    added in float32 into a zeroed row per token, so no second kernel waits on the first."""
+    added into a zeroed row per token (float32, or int64 fixed point with
+    ``BASTION_MOE_ONE_PASS_EXACT``), so no second kernel waits on the first."""
     num_tokens, hidden_size = hidden.shape
     num_local, two_n, _ = w13.shape
     top_k = ids.shape[1]
