@@ -55,15 +55,6 @@ def _moe_tiles(value: str) -> dict[str, dict[str, int]]:
     return tiles
 
 
-def _one_pass_tile(value: str) -> dict[str, int]:
-    """'BLOCK_N,BLOCK_K,BLOCK_H,num_warps,num_stages' -> the one-pass MoE kernel's tile."""
-    keys = ("BLOCK_N", "BLOCK_K", "BLOCK_H", "num_warps", "num_stages")
-    numbers = value.split(",")
-    if len(numbers) != len(keys):
-        raise ValueError("want 'BLOCK_N,BLOCK_K,BLOCK_H,num_warps,num_stages'")
-    return dict(zip(keys, map(int, numbers)))
-
-
 VARIABLES: dict[str, EnvVar] = {
     "BASTION_CACHE_DIR": EnvVar(
         None, _text, "where converted GGUF weights and other caches live (default "
@@ -141,14 +132,6 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_GEMV_CONFIG": EnvVar(
         {}, _moe_tiles, "the MoE matrix-vector kernels' tiles instead of the tuned table's: "
         "'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...' (either part; A/B runs)"),
-    "BASTION_MOE_ONE_PASS": EnvVar(
-        {}, _one_pass_tile, "'BLOCK_N,BLOCK_K,BLOCK_H,num_warps,num_stages': the MoE layer at a "
-        "few tokens in one kernel, each program's down share added into float32 rows, instead "
-        "of the up and down kernels (ops/triton/fused_moe_gemv.py; A/B runs)"),
-    "BASTION_MOE_ONE_PASS_EXACT": EnvVar(
-        False, _flag, "1: with BASTION_MOE_ONE_PASS, the down shares are added as int64 in "
-        "units of 2**-32 (sums that do not depend on the order of the adds; |sum| < 2**31) "
-        "instead of float32 (A/B runs)"),
     "BASTION_FUSED_SPLIT_MERGE": EnvVar(
         True, _flag, "0: a split decode merges in a second kernel instead of in its last "
         "split's program"),

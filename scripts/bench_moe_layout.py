@@ -135,16 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sets", type=int, default=16, help="expert sets, one per launch")
     p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--one-pass", nargs="*", metavar="N,K,H,WARPS",
-                   help="only the tuned up and down kernels in sequence against the one-pass "
-                   "kernel (BASTION_MOE_ONE_PASS) in these tiles, its result checked")
     args = p.parse_args(argv)
-    from bastion.ops.triton.counters import zeroed_counters
-    from bastion.ops.triton.fused_moe_gemv import (
-        _moe_gemv_down_kernel,
-        _moe_gemv_one_pass_kernel,
-        _moe_gemv_up_kernel,
-    )
+    from bastion.ops.triton.fused_moe_gemv import _moe_gemv_down_kernel, _moe_gemv_up_kernel
 
     dev = torch.device("cuda")
     e, h, inter, top_k = 128, 2048, 768, 8
@@ -162,15 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     down_bytes = top_k * h * inter * 2
     rows = []
 
-    # pdl=2: launched as in the model (programmatic launch released early, evict-first
-    # weights, the down kernel's L2 prefetch).
-    def up_std(bn, bk, warps, pdl=0):
+    def up_std(bn, bk, warps):
         def run(i):
             _moe_gemv_up_kernel[(top_k, inter // bn)](
                 x, w13, act, ids[i], 0, e, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-                act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
-                EVICT="evict_first" if pdl else "", num_warps=warps, num_stages=2,
-                launch_pdl=bool(pdl))
+                act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=0,
+                num_warps=warps, num_stages=2)
         return run
 
     def up_tiled(bn, bk, warps, wt):
@@ -180,14 +169,13 @@ def main(argv: list[str] | None = None) -> int:
                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=2)
         return run
 
-    def down_std(bn, bk, warps, pdl=0):
+    def down_std(bn, bk, warps):
         def run(i):
             _moe_gemv_down_kernel[(1, h // bn)](
                 act, w2, out, ids[i], weights, 0, e, h, inter, act.stride(0), w2.stride(0),
                 w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_TOPK=top_k, BLOCK_N=bn,
-                BLOCK_K=bk, USE_PDL=pdl, PREFETCH=bool(pdl), W_BYTES=2, LINES=32 * warps,
-                EVICT="evict_first" if pdl else "", num_warps=warps, num_stages=2,
-                launch_pdl=bool(pdl))
+                BLOCK_K=bk, USE_PDL=0, PREFETCH=False, W_BYTES=2, LINES=32 * warps,
+                num_warps=warps, num_stages=2)
         return run
 
     def down_tiled(bn, bk, warps, wt):
@@ -209,50 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         us = time_graph([lambda i=i: fn(i) for i in range(args.sets)], args.replays)
         rows.append((name, us, num_bytes / bw * 1e6, num_bytes / (us * 1e-6) / 1e12))
 
-    if args.one_pass is not None:
-        sums = zeroed_counters("bench_one_pass_sums", dev, h, torch.float32)
-        sums64 = zeroed_counters("bench_one_pass_sums64", dev, h, torch.int64)
-        counts = zeroed_counters("bench_one_pass", dev, 1)
-
-        # The down weights also as [E, I, H] (each program's columns one contiguous run).
-        w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)
-
-        def one_pass(bn, bk, bh, warps, w=w2, exact=False):  # launched as in the model
-            def run(i):
-                _moe_gemv_one_pass_kernel[(top_k, inter // bn)](
-                    x, w13, w, out, sums64 if exact else sums, counts, ids[i], weights, 0, e,
-                    inter, h,
-                    x.stride(0), w13.stride(0), w13.stride(1), w.stride(0), w.stride(1),
-                    w.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=bh,
-                    BLOCK_OUT=h, USE_PDL=2, EVICT="evict_first", EXACT=exact,
-                    num_warps=warps, num_stages=2, launch_pdl=True)
-            return run
-
-        def both(i, pdl=0):
-            up_std(8, 128, 8, pdl)(i)
-            down_std(8, 256, 4, pdl)(i)
-
-        both(0)
-        measure("up 8x128 8w then down 8x256 4w (the tuned pair, no PDL)", both,
-                up_bytes + down_bytes)
-        measure("the tuned pair as in the model (PDL, evict-first, down prefetch)",
-                lambda i: both(i, 2), up_bytes + down_bytes)
-        for tile in args.one_pass or ("32,128,256,8", "32,256,512,8", "16,256,512,8",
-                                      "64,128,256,8"):
-            bn, bk, bh, warps = map(int, tile.split(","))
-            for form, kwargs in (("", {}), (", down as [E, I, H]", {"w": w2_t}),
-                                 (", int64 sums", {"exact": True})):
-                run = one_pass(bn, bk, bh, warps, **kwargs)
-                both(0)
-                check(out, run, f"one pass {tile}{form}")
-                measure(f"one pass {bn}x{bk}, down {bh} rows, {warps}w{form}", run,
-                        up_bytes + down_bytes)
-        parts = ()
-    else:
-        parts = (("up", up_std, up_tiled, tile_up, w13, act, up_bytes,
-                  ((8, 128, 8), (4, 256, 8), (8, 256, 8), (16, 128, 8))),
-                 ("down", down_std, down_tiled, tile_down, w2, out, down_bytes,
-                  ((8, 256, 4), (4, 256, 4), (8, 128, 4))))
+    parts = (("up", up_std, up_tiled, tile_up, w13, act, up_bytes,
+              ((8, 128, 8), (4, 256, 8), (8, 256, 8), (16, 128, 8))),
+             ("down", down_std, down_tiled, tile_down, w2, out, down_bytes,
+              ((8, 256, 4), (4, 256, 4), (8, 128, 4))))
     for part, std, tiled, tile, w, result, num_bytes, tiles in parts:
         for bn, bk, warps in tiles:
             wt = tile(w, bn, bk)
@@ -261,24 +209,22 @@ def main(argv: list[str] | None = None) -> int:
             measure(f"{part} {bn}x{bk} {warps}w, rows as stored", std(bn, bk, warps), num_bytes)
             measure(f"{part} {bn}x{bk} {warps}w, tiled", tiled(bn, bk, warps, wt), num_bytes)
             del wt
-    if args.one_pass is None:
-        # The same bytes as one contiguous stream per program, in as many programs.
-        src = torch.empty(args.sets * up_bytes // 2, dtype=torch.bfloat16, device=dev).normal_()
-        sums = torch.empty(top_k * inter // 8, device=dev)
-        per = up_bytes // 2 // sums.numel()
-        # Steps of 1-2k elements hold what the up kernel holds in flight a program (2-4 KB);
-        # 4-8k, two and four times that.
-        for step in (1024, 2048, 4096, 8192):
-            measure(f"stream, {sums.numel()} programs of {per * 2 // 1024} KB, "
-                    f"{step * 2} B steps",
-                    lambda i, s=step: _stream_kernel[(sums.numel(),)](
-                        src[i * (up_bytes // 2):], sums, per, STEP=s, num_warps=8), up_bytes)
-        # What reading alone reaches: torch's own reduction over the same bytes (rows of 1024).
-        n = up_bytes // 2
-        row_sums = torch.empty(n // 1024, device=dev)
-        measure("torch row sums of the same bytes (a tuned read-only kernel)",
-                lambda i: torch.sum(src[i * n:(i + 1) * n].view(-1, 1024), dim=1,
-                                    dtype=torch.float32, out=row_sums), up_bytes)
+    # The same bytes as one contiguous stream per program, in as many programs.
+    src = torch.empty(args.sets * up_bytes // 2, dtype=torch.bfloat16, device=dev).normal_()
+    sums = torch.empty(top_k * inter // 8, device=dev)
+    per = up_bytes // 2 // sums.numel()
+    # Steps of 1-2k elements hold what the up kernel holds in flight a program (2-4 KB);
+    # 4-8k, two and four times that.
+    for step in (1024, 2048, 4096, 8192):
+        measure(f"stream, {sums.numel()} programs of {per * 2 // 1024} KB, {step * 2} B steps",
+                lambda i, s=step: _stream_kernel[(sums.numel(),)](
+                    src[i * (up_bytes // 2):], sums, per, STEP=s, num_warps=8), up_bytes)
+    # What reading alone reaches: torch's own reduction over the same bytes (rows of 1024).
+    n = up_bytes // 2
+    row_sums = torch.empty(n // 1024, device=dev)
+    measure("torch row sums of the same bytes (a tuned read-only kernel)",
+            lambda i: torch.sum(src[i * n:(i + 1) * n].view(-1, 1024), dim=1,
+                                dtype=torch.float32, out=row_sums), up_bytes)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; one token, 8 of 128 experts a launch, "
           f"{args.sets} expert sets in a graph")
     print("kernel | us a launch | floor us | TB/s")

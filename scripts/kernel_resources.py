@@ -107,20 +107,10 @@ def sass_order(cubin: bytes) -> str:
     return " ".join(op if n == 1 else f"{op}x{n}" for op, n in runs)
 
 
-# BASTION_MOE_ONE_PASS candidates (BLOCK_N, BLOCK_K, BLOCK_H, warps, int64 sums).
-ONE_PASS_TILES = ((32, 128, 256, 8, False), (32, 256, 512, 8, False), (16, 256, 512, 8, False),
-                  (64, 128, 256, 8, False), (32, 128, 256, 4, False), (16, 128, 512, 4, False),
-                  (32, 128, 256, 8, True))
-
-
 def variants() -> list[tuple[str, object, dict, dict, dict]]:
     """(name, kernel, args, constexprs, options) at Qwen3-30B-A3B's batch-1 decode shapes."""
     from bastion.ops.triton.fused_add_rms_norm import _fused_add_rms_norm_kernel
-    from bastion.ops.triton.fused_moe_gemv import (
-        _moe_gemv_down_kernel,
-        _moe_gemv_one_pass_kernel,
-        _moe_gemv_up_kernel,
-    )
+    from bastion.ops.triton.fused_moe_gemv import _moe_gemv_down_kernel, _moe_gemv_up_kernel
     from bastion.ops.triton.gemv import _gemv_kernel
     from bastion.ops.triton.moe_routing import _moe_routing_kernel
     from bastion.ops.triton.rotary import _rotary_kernel
@@ -158,20 +148,6 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
             {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2,
              "PREFETCH": True, "W_BYTES": 2, "LINES": 128, "EVICT": "evict_first"},
             {"num_warps": 4, "num_stages": 2, **pdl})]
-    one_pass_args = {"x_ptr": Ptr("bf16"), "w13_ptr": Ptr("bf16"), "w2_ptr": Ptr("bf16"),
-                     "out_ptr": Ptr("bf16"), "acc_ptr": Ptr("fp32"), "count_ptr": Ptr("i32"),
-                     "ids_ptr": Ptr("i32"), "weights_ptr": Ptr("fp32"), "expert_offset": 0,
-                     "num_local": 128, "N": 768, "K": 2048, "stride_x": 2048,
-                     "stride_w13e": 1536 * 2048, "stride_w13n": 2048, "stride_w2e": 2048 * 768,
-                     "stride_w2n": 768, "stride_w2k": 1, "stride_out": 2048}
-    for block_n, block_k, block_h, warps, exact in ONE_PASS_TILES:
-        sums = ", int64 sums" if exact else ""
-        out.append((f"moe one pass {block_n}x{block_k}, down {block_h} rows ({warps} warps{sums})",
-                    _moe_gemv_one_pass_kernel,
-                    {**one_pass_args, "acc_ptr": Ptr("i64" if exact else "fp32")},
-                    {"TOP_K": 8, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_H": block_h,
-                     "BLOCK_OUT": 2048, "USE_PDL": 2, "EVICT": "evict_first", "EXACT": exact},
-                    {"num_warps": warps, "num_stages": 2, **pdl}))
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
             "W_BYTES": 2, "LINES": 128, "ONE_ROW": True, "EVICT": "evict_first"}
     qkv_args = {**gemv_args, "N": 5120, "K": 2048, "stride_xm": 2048, "stride_wn": 2048,

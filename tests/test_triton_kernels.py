@@ -755,26 +755,18 @@ _GEMV_TILES = {"up": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4, "n
                "down": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 32, "num_warps": 4, "num_stages": 1}}
 
 
-def _gemv_case(seed: int, num_experts: int, top_k: int, num_tokens: int
-               ) -> tuple[torch.Tensor, ...]:
-    """Hidden states, weights and a routing at sizes no tile divides (hidden 72, inter 40)."""
-    gen = torch.Generator().manual_seed(seed)
+@pytest.mark.parametrize("num_experts,top_k,num_tokens", [
+    (4, 1, 1), (8, 2, 1), (16, 8, 1), (8, 8, 3), (8, 2, 9)])
+def test_fused_moe_gemv_matches_reference(num_experts: int, top_k: int, num_tokens: int) -> None:
+    """The matrix-vector path: tiles that do not divide the sizes (masked columns and K),
+    one token, tokens sharing experts, and every expert chosen by some token (top-8 of 8)."""
+    gen = torch.Generator().manual_seed(num_experts * 10 + top_k + num_tokens)
     hidden, inter = 72, 40
     x = torch.randn(num_tokens, hidden, generator=gen)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
     weights, ids = select_experts_ref(torch.randn(num_tokens, num_experts, generator=gen),
                                       top_k, True)
-    return x, w13, w2, weights, ids
-
-
-@pytest.mark.parametrize("num_experts,top_k,num_tokens", [
-    (4, 1, 1), (8, 2, 1), (16, 8, 1), (8, 8, 3), (8, 2, 9)])
-def test_fused_moe_gemv_matches_reference(num_experts: int, top_k: int, num_tokens: int) -> None:
-    """The matrix-vector path: tiles that do not divide the sizes (masked columns and K),
-    one token, tokens sharing experts, and every expert chosen by some token (top-8 of 8)."""
-    x, w13, w2, weights, ids = _gemv_case(num_experts * 10 + top_k + num_tokens, num_experts,
-                                          top_k, num_tokens)
     out = fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
                                atol=1e-5)
@@ -823,47 +815,6 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("BASTION_MOE_GEMV_CONFIG", "up=4,16")
     with pytest.raises(ValueError, match="BASTION_MOE_GEMV_CONFIG"):
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
-
-
-@pytest.mark.parametrize("num_experts,top_k,num_tokens,tile,exact", [
-    (4, 1, 1, "8,32,16,4,1", "0"), (16, 8, 1, "16,32,32,4,1", "0"),
-    (8, 8, 3, "8,16,64,4,1", "0"), (8, 2, 5, "32,64,8,4,1", "0"), (8, 8, 3, "8,16,64,4,1", "1")])
-def test_fused_moe_gemv_one_pass(monkeypatch: pytest.MonkeyPatch, num_experts: int, top_k: int,
-                                 num_tokens: int, tile: str, exact: str) -> None:
-    """``BASTION_MOE_ONE_PASS``: one kernel whose programs add their down shares into float32
-    rows (int64 fixed point with ``BASTION_MOE_ONE_PASS_EXACT``) matches the reference (tiles
-    that do not divide the sizes, masked columns and rows), twice in a row, with its sums and
-    counts back at zero after each launch; an expert-parallel half gives exact zeros for tokens
-    with no expert there and for padding rows."""
-    from bastion.ops.triton.counters import counters_of
-
-    monkeypatch.setenv("BASTION_MOE_ONE_PASS", tile)
-    monkeypatch.setenv("BASTION_MOE_ONE_PASS_EXACT", exact)
-    x, w13, w2, weights, ids = _gemv_case(num_experts + 100 * num_tokens, num_experts, top_k,
-                                          num_tokens)
-    ids = ids.int()
-    config = {"gemv": _GEMV_TILES}
-    for _ in range(2):
-        out = fused_moe_triton(x, w13, w2, weights, ids, config=config)
-        torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
-                                   atol=1e-5)
-        assert not counters_of("moe_one_pass", CPU).any()
-        sums = counters_of("moe_one_pass_sums", CPU)
-        assert sums.dtype == (torch.int64 if exact == "1" else torch.float32)
-        assert not sums.any()
-    if num_tokens < 3:
-        return
-    half = num_experts // 2
-    ids[0] = torch.arange(top_k, dtype=torch.int32) % half  # only the low half's experts
-    ids[-1] = -1  # a padding row
-    low = fused_moe_triton(x, w13[:half], w2[:half], weights, ids, expert_offset=0,
-                           config=config)
-    high = fused_moe_triton(x, w13[half:], w2[half:], weights, ids, expert_offset=half,
-                            config=config)
-    assert torch.count_nonzero(high[0]) == 0
-    assert torch.count_nonzero(low[-1]) == 0 and torch.count_nonzero(high[-1]) == 0
-    torch.testing.assert_close(low + high, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-5,
-                               atol=1e-5)
 
 
 def test_fused_moe_gemv_release_at_end_launch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,26 +8,24 @@ from __future__ import annotations
 import torch
 
 # Per (owner, device); each owner its own buffer, so two kinds of kernel never share a count.
-_BUFFERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 # Buffers outgrown by a larger need: kept, since a CUDA graph captured with one still uses it.
 _OUTGROWN: list[torch.Tensor] = []
 
 
-def zeroed_counters(owner: str, device: torch.device, needed: int,
-                    dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """At least ``needed`` counters, all zero between launches, kept for ``owner``'s kernels
-    (a float ``dtype``: accumulators that the kernel's last program reads and zeroes)."""
-    counters = _BUFFERS.get((owner, device))
-    if counters is None or counters.numel() < needed or counters.dtype != dtype:
+def zeroed_counters(owner: str, device: torch.device, needed: int) -> torch.Tensor:
+    """At least ``needed`` counters, all zero between launches, kept for ``owner``'s kernels."""
+    counters = _COUNTERS.get((owner, device))
+    if counters is None or counters.numel() < needed:
         # NOTE: a graph's size runs eagerly before its capture, so a new buffer is never
         # allocated inside one; the one it replaces stays alive for graphs captured with it.
         if counters is not None:
             _OUTGROWN.append(counters)
-        counters = torch.zeros(max(needed, 1 << 14), dtype=dtype, device=device)
-        _BUFFERS[(owner, device)] = counters
+        counters = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[(owner, device)] = counters
     return counters
 
 
 def counters_of(owner: str, device: torch.device) -> torch.Tensor | None:
     """``owner``'s counters on ``device`` (tests check they are back at zero), or None."""
-    return _BUFFERS.get((owner, device))
+    return _COUNTERS.get((owner, device))

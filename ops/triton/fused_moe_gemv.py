@@ -30,34 +30,8 @@ import triton
 import triton.language as tl
 
 from bastion import envs
-from bastion.ops.triton.counters import zeroed_counters
 from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, release_early,
                                    release_now, use_pdl, use_prefetch, wait_for_previous)
-
-
-@triton.jit
-def _gate_up(x_ptr, w13_ptr, offs_n, n_ok, N, K, stride_wn, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
-    """One token's gate and up products for the columns ``offs_n`` of one expert (``w13_ptr``
-    at its first row, gate rows then up rows ``N`` later), reduced once at the end."""
-    offs_k = tl.arange(0, BLOCK_K)
-    gate_ptrs = w13_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_ptrs = gate_ptrs + N * stride_wn
-    x_ptrs = x_ptr + offs_k
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k
-        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        mask = n_ok[:, None] & k_ok[None, :]
-        g = tl.load(gate_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        u = tl.load(up_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        acc_gate += g * x[None, :]
-        acc_up += u * x[None, :]
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    return tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
 
 
 @triton.jit
@@ -93,8 +67,26 @@ def _moe_gemv_up_kernel(
     token = (pair // TOP_K).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    gate, up = _gate_up(x_ptr + token * stride_x, w13_ptr + expert * stride_we, offs_n, n_ok, N,
-                        K, stride_wn, BLOCK_N, BLOCK_K, EVICT)
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_ptrs = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
+        + offs_k[None, :]
+    up_ptrs = gate_ptrs + N * stride_wn
+    x_ptrs = x_ptr + token * stride_x + offs_k
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        g = tl.load(gate_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        u = tl.load(up_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        acc_gate += g * x[None, :]
+        acc_up += u * x[None, :]
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    gate = tl.sum(acc_gate, axis=1)
+    up = tl.sum(acc_up, axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n,
              act.to(act_ptr.dtype.element_ty), mask=n_ok)
@@ -175,81 +167,6 @@ def _moe_gemv_down_kernel(
     tl.store(out_ptr + token * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _moe_gemv_one_pass_kernel(
-    x_ptr,
-    w13_ptr,
-    w2_ptr,
-    out_ptr,
-    acc_ptr,
-    count_ptr,
-    ids_ptr,
-    weights_ptr,
-    expert_offset,
-    num_local,
-    N,
-    K,
-    stride_x,
-    stride_w13e,
-    stride_w13n,
-    stride_w2e,
-    stride_w2n,
-    stride_w2k,
-    stride_out,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_OUT: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT: tl.constexpr = "",
-    EXACT: tl.constexpr = False,
-):
-    # Released after the wait, as the up kernel: the kernel after this one reads nothing
-    # before its own wait.
-    wait_for_previous(USE_PDL, RELEASE=True)
-    pair = tl.program_id(0)
-    token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
-    if (expert >= 0) & (expert < num_local):
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        gate, up = _gate_up(x_ptr + token * stride_x, w13_ptr + expert * stride_w13e, offs_n,
-                            n_ok, N, K, stride_w13n, BLOCK_N, BLOCK_K, EVICT)
-        weight = tl.load(weights_ptr + pair).to(tl.float32)
-        act = tl.where(n_ok, gate / (1.0 + tl.exp(-gate)) * up * weight, 0.0)
-        # This program's BLOCK_N columns of the expert's down product, over every hidden row,
-        # added into the token's row: float32, or with EXACT int64 in units of 2**-32, whose
-        # sums do not depend on the order the adds arrive in.
-        offs_h = tl.arange(0, BLOCK_H)
-        w_ptrs = w2_ptr + expert * stride_w2e + offs_h[:, None].to(tl.int64) * stride_w2n \
-            + offs_n[None, :].to(tl.int64) * stride_w2k
-        sum_ptrs = acc_ptr + token * K + offs_h
-        for h in range(0, K, BLOCK_H):
-            h_ok = offs_h < K - h
-            w = tl.load(w_ptrs, mask=h_ok[:, None] & n_ok[None, :], other=0.0,
-                        eviction_policy=EVICT).to(tl.float32)
-            part = tl.sum(w * act[None, :], axis=1)
-            if EXACT:
-                part = (part * 4294967296.0).to(tl.int64)
-            tl.atomic_add(sum_ptrs, part, mask=h_ok, sem="relaxed")
-            w_ptrs += BLOCK_H * stride_w2n
-            sum_ptrs += BLOCK_H
-    # The token's last program to count itself in (its adds, and everyone's before theirs,
-    # visible through the count's acquire) writes the row, read in one load (a loop would wait
-    # on L2 once a step), and leaves the sums and the count at zero for the next launch.
-    if tl.atomic_add(count_ptr + token, 1, sem="acq_rel") == TOP_K * tl.num_programs(1) - 1:
-        offs = tl.arange(0, BLOCK_OUT)
-        ok = offs < K
-        sums = tl.load(acc_ptr + token * K + offs, mask=ok, other=0, cache_modifier=".cg")
-        row = sums.to(tl.float32)
-        if EXACT:
-            row = row * (1.0 / 4294967296.0)
-        tl.store(out_ptr + token * stride_out + offs, row.to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(acc_ptr + token * K + offs, tl.zeros_like(sums), mask=ok)
-        tl.atomic_xchg(count_ptr + token, 0, sem="relaxed")
-
-
 def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                           expert_offset: int, config: dict) -> torch.Tensor:
@@ -271,13 +188,9 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
-    pdl, evict = use_pdl(hidden.device), evict_policy(hidden.device)
-    one_pass = envs.get("BASTION_MOE_ONE_PASS")
-    if one_pass:
-        _one_pass(hidden, w13, w2, weights, ids, expert_offset, out, one_pass, pdl, evict)
-        return out
     act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
     up, down = _tiles(config)
+    pdl, evict = use_pdl(hidden.device), evict_policy(hidden.device)
     routed_bytes = num_tokens * top_k * w2[0].numel() * w2.element_size()  # at the most
     _moe_gemv_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_SIZE_N"]))](
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
@@ -295,29 +208,6 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]), EVICT=evict,
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out
-
-
-def _one_pass(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, expert_offset: int, out: torch.Tensor, tile: dict, pdl: int,
-              evict: str) -> None:
-    """The layer in one launch (``BASTION_MOE_ONE_PASS``): a program per (pair, ``BLOCK_N``
-    intermediate columns) computes its products and at once their share of the down product,
-    added into a zeroed row per token (float32, or int64 fixed point with
-    ``BASTION_MOE_ONE_PASS_EXACT``), so no second kernel waits on the first."""
-    num_tokens, hidden_size = hidden.shape
-    num_local, two_n, _ = w13.shape
-    top_k = ids.shape[1]
-    exact = envs.get("BASTION_MOE_ONE_PASS_EXACT")
-    sums = zeroed_counters("moe_one_pass_sums", hidden.device, num_tokens * hidden_size,
-                           torch.int64 if exact else torch.float32)
-    counts = zeroed_counters("moe_one_pass", hidden.device, num_tokens)
-    _moe_gemv_one_pass_kernel[(num_tokens * top_k, triton.cdiv(two_n // 2, tile["BLOCK_N"]))](
-        hidden, w13, w2, out, sums, counts, ids, weights, expert_offset, num_local, two_n // 2,
-        hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-        w2.stride(2), out.stride(0), TOP_K=top_k, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-        BLOCK_H=tile["BLOCK_H"], BLOCK_OUT=triton.next_power_of_2(hidden_size), USE_PDL=pdl,
-        EVICT=evict, EXACT=exact, num_warps=tile["num_warps"],
-        num_stages=tile["num_stages"], launch_pdl=bool(pdl))
 
 
 def _tiles(config: dict) -> tuple[dict, dict]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gc
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -134,18 +133,12 @@ def release(llm: LLM) -> None:
         torch.cuda.empty_cache()
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_moe_one_pass"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
 def qwen3_folder(request: pytest.FixtureRequest,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
-    """The model's folder and kind; ``qwen3_moe_one_pass`` is the MoE model with its one-token
-    decode steps through ``BASTION_MOE_ONE_PASS`` (the layer in one kernel)."""
-    kind = request.param.removesuffix("_one_pass")
+                 tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     folder = tmp_path_factory.mktemp(f"{request.param}_1024")
-    build_qwen3(kind=kind).save_pretrained(folder)
-    with pytest.MonkeyPatch.context() as patch:
-        if kind != request.param:
-            patch.setenv("BASTION_MOE_ONE_PASS", "32,128,256,8,2")
-        yield folder, kind
+    build_qwen3(kind=request.param).save_pretrained(folder)
+    return folder, request.param
 
 
 def make_llm(folder: Path, dtype: str) -> LLM:
