@@ -1044,9 +1044,12 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     norm, float32 router, routing, both expert kernels), distinct weights per layer, replayed
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
-    L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, and in each
-    other A/B form of the matrix-vector kernels (``_GPU_GEMV_FORMS``), give the same bits:
-    only when kernels start and what L2 keeps may change."""
+    L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, with the one-row
+    products' K in steps, and in each other A/B form of the matrix-vector kernels
+    (``_GPU_GEMV_FORMS``), give the same bits: only when kernels start and what L2 keeps may
+    change. A graph replayed again gives the same bits too. A failure names, per mode, the
+    first kernel output (layer and name) whose bits differ from the mode without
+    programmatic launch."""
     from bastion.ops.linear import gemv
 
     dev = torch.device("cuda")
@@ -1062,23 +1065,32 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
               for _ in range(4)]
     x0 = torch.randn(1, hidden, device=dev, generator=gen).bfloat16()
 
-    def step(x: torch.Tensor) -> torch.Tensor:
+    def step(x: torch.Tensor, trace: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
         res = torch.zeros_like(x)
-        for w in layers:
+        for i, w in enumerate(layers):
             h, res = fused_add_rms_norm_triton(x, res, w["norm"], 1e-6)
             qkv = gemv(h, w["qkv"])
             o = gemv(qkv[:, :4096].contiguous(), w["o"])
-            h, res = fused_add_rms_norm_triton(o, res, w["norm2"], 1e-6)
-            weights, ids = moe_routing_triton(gemv(h, w["router"], out_dtype=torch.float32),
-                                              top_k, True)
-            x = fused_moe_triton(h, w["w13"], w["w2"], weights, ids)
-        return x + res
+            h2, res = fused_add_rms_norm_triton(o, res, w["norm2"], 1e-6)
+            logits = gemv(h2, w["router"], out_dtype=torch.float32)
+            weights, ids = moe_routing_triton(logits, top_k, True)
+            x = fused_moe_triton(h2, w["w13"], w["w2"], weights, ids)
+            trace += [(f"layer {i} {name}", t) for name, t in (
+                ("norm", h), ("qkv", qkv), ("o", o), ("norm2", h2), ("router", logits),
+                ("weights", weights), ("ids", ids), ("experts", x))]
+        out = x + res
+        trace.append(("out", out))
+        return out
 
-    outs = {}
     forms = [f for f in _GPU_GEMV_FORMS if f != "elementwise"]
-    modes = dict.fromkeys(("off", "late", "early+prefetch", "early+prefetch, normal L2 priority"),
-                          "elementwise")
+    modes = dict.fromkeys(("off", "late", "early+prefetch", "early+prefetch, K in steps",
+                           "early+prefetch, normal L2 priority"), "elementwise")
     modes.update({f"early+prefetch, {form}": form for form in forms})
+    # Last, once every other graph has run: the first two graphs replayed again.
+    modes.update(dict.fromkeys(("off, replayed again", "early+prefetch, replayed again"),
+                               "elementwise"))
+    traces: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    graphs = {}  # mode -> (graph, its input kept alive for a later replay, its trace)
     for mode, form in modes.items():
         for name in {name for env in _GPU_GEMV_FORMS.values() for name in env}:
             monkeypatch.setenv(name, _GPU_GEMV_FORMS[form].get(name, ""))
@@ -1086,22 +1098,33 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
         monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
         monkeypatch.setenv("BASTION_L2_PREFETCH", "1")
         monkeypatch.setenv("BASTION_L2_EVICT_FIRST", "0" if "normal" in mode else "1")
-        static = x0.clone()
-        step(static)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(static)
+        monkeypatch.setenv("BASTION_GEMV_WHOLE_K", "0" if "K in steps" in mode else "1")
+        again = mode.removesuffix(", replayed again")
+        if again != mode:  # that mode's graph, replayed once more
+            graph, _, trace = graphs[again]
+        else:
+            static = x0.clone()
+            step(static, [])
+            graph, trace = torch.cuda.CUDAGraph(), []
+            with torch.cuda.graph(graph):
+                step(static, trace)
+            graphs[mode] = graph, static, trace
         for _ in range(3):
             graph.replay()
-        outs[mode] = out.clone()
-    assert torch.isfinite(outs["off"]).all()
-    assert torch.equal(outs["late"], outs["off"])
-    assert torch.equal(outs["early+prefetch"], outs["off"])
-    assert torch.equal(outs["early+prefetch, normal L2 priority"], outs["off"])
-    # The other forms change only when the down kernel launches, not what either kernel
-    # computes: the same bits as the elementwise form without programmatic launch.
-    for form in forms:
-        assert torch.equal(outs[f"early+prefetch, {form}"], outs["off"]), form
+        traces[mode] = [(name, t.clone()) for name, t in trace]
+    assert torch.isfinite(traces["off"][-1][1]).all()
+
+    def first_difference(mode: str) -> str | None:
+        for (name, a), (_, b) in zip(traces[mode], traces["off"]):
+            if not torch.equal(a, b):
+                where = (a != b).nonzero()[0].tolist()
+                return (f"{mode}: {name} first differs at {where}: {a[tuple(where)].item()} "
+                        f"against {b[tuple(where)].item()}")
+        return None
+
+    differences = [d for mode in modes if mode != "off"
+                   for d in [first_difference(mode)] if d is not None]
+    assert not differences, "\n".join(differences)
 
 
 @gpu
