@@ -1128,10 +1128,14 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
 
     # For the log, not asserted: where the whole-K sums first round otherwise.
     print(first_difference("early+prefetch", "off") or "early+prefetch: the bits of off")
-    whole_k = {mode for mode in modes if mode.startswith("early") and "K in steps" not in mode}
-    differences = [d for mode in modes if mode not in ("off", "early+prefetch")
-                   for d in [first_difference(mode, "early+prefetch" if mode in whole_k
-                                              else "off")] if d is not None]
+    differences = []
+    for mode in modes:
+        if mode in ("off", "early+prefetch"):
+            continue
+        whole_k = mode.startswith("early") and "K in steps" not in mode
+        difference = first_difference(mode, "early+prefetch" if whole_k else "off")
+        if difference is not None:
+            differences.append(difference)
     assert not differences, "\n".join(differences)
 
 
