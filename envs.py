@@ -123,6 +123,10 @@ VARIABLES: dict[str, EnvVar] = {
         False, _flag, "1: the MoE up kernel (a few tokens) lets the down kernel launch only as "
         "each of its programs ends, not after its wait, so that the down kernel's grid starts "
         "as the up kernel finishes instead of beside it (A/B runs)"),
+    "BASTION_MOE_DOWN_SMEM": EnvVar(
+        False, _flag, "1: the few-token MoE down product stages its experts' rows in shared "
+        "memory through the copy engine while the up kernel streams, then waits "
+        "(ops/triton/moe_down_smem.py; Hopper on, 2-byte weights; A/B runs)"),
     "BASTION_L2_EVICT_FIRST": EnvVar(
         True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
         "weights with L2's normal priority instead of evict-first (A/B runs)"),

@@ -969,7 +969,15 @@ def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
 _GPU_GEMV_FORMS = {
     "elementwise": {},
     "launched at the up kernel's end": {"BASTION_MOE_UP_RELEASE_AT_END": "1"},
+    "down staged in shared memory": {"BASTION_MOE_DOWN_SMEM": "1"},
 }
+# The tuned batch-1 tiles of the H200's table (ops/moe_configs), whatever the card.
+_GPU_GEMV_TILES = {"up": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 128, "num_warps": 8, "num_stages": 2},
+                   "down": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 256, "num_warps": 4,
+                            "num_stages": 2}}
+# Forms whose float32 sums run in their own order (the launch-overlap test compares each with
+# itself without programmatic launch).
+_GPU_GEMV_OWN_SUMS = {"down staged in shared memory"}
 
 
 @gpu
@@ -1014,6 +1022,52 @@ def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_gpu_moe_down_staged_in_shared_memory_expert_parallel_and_padding(
+        monkeypatch: pytest.MonkeyPatch, num_tokens: int) -> None:
+    """``BASTION_MOE_DOWN_SMEM`` at Qwen3-30B-A3B's expert shapes in bf16: two ranks' halves
+    (a token with experts on both, one with all on rank 0, a padding row of id -1) sum to the
+    float32 reference, a pair on another rank's expert adds exactly nothing, and each half
+    agrees with the Triton down kernel's to bf16 rounding."""
+    from bastion.ops.triton.moe_down_smem import fits
+
+    dev = torch.device("cuda")
+    num_experts, inter, hidden, top_k = 128, 768, 2048, 8
+    gen = torch.Generator(device=dev).manual_seed(40 + num_tokens)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=dev, generator=gen)
+           / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, device=dev, generator=gen)
+          / inter ** 0.5).bfloat16()
+    assert fits(w2[:64], top_k)
+    x = torch.randn(num_tokens, hidden, device=dev, generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, device=dev, generator=gen)
+    weights, ids = select_experts_ref(logits, top_k, True)
+    ids = ids.int()
+    ids[0] = torch.arange(0, 2 * top_k, 2, dtype=torch.int32)  # all on rank 0's half
+    if num_tokens > 1:
+        ids[-1] = -1  # a padding row
+    halves = {}
+    for staged in ("1", "0"):
+        monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", staged)
+        halves[staged] = [
+            fused_moe_triton(x, w13[lo:lo + 64], w2[lo:lo + 64], weights, ids, expert_offset=lo,
+                             config={"gemv": _GPU_GEMV_TILES})
+            for lo in (0, 64)]
+    low, high = halves["1"]
+    assert torch.count_nonzero(high[0]) == 0
+    if num_tokens > 1:
+        assert torch.count_nonzero(low[-1]) == 0 and torch.count_nonzero(high[-1]) == 0
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids.long())
+    got = low.float() + high.float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    for staged_half, triton_half in zip(halves["1"], halves["0"]):
+        # Both sum in float32 and round once to bf16: at most one bf16 step apart.
+        step = triton_half.float().abs().clamp(min=2.0 ** -20) * 2.0 ** -7
+        assert ((staged_half.float() - triton_half.float()).abs() <= step).all()
+
+
+@gpu
+@requires_cuda
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gpu_gemv_decode_rows_bf16(rows: int) -> None:
     """The decode-rows matmul as the linear layers call it on CUDA (``ops.linear``), at
@@ -1052,7 +1106,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     stepped K of the modes without early release, so they are compared with the first early
     mode; the early mode with K in steps (the same sums as without programmatic launch) is
     compared with the mode without it, so a kernel reading before its wait what the one
-    before it still writes shows in either group. A failure names, per mode, the first kernel
+    before it still writes shows in either group. A form with sums of its own order
+    (``_GPU_GEMV_OWN_SUMS``) is compared with itself without programmatic launch. A failure names, per mode, the first kernel
     output (layer and name) whose bits differ."""
     from bastion.ops.linear import gemv
 
@@ -1086,10 +1141,13 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
         trace.append(("out", out))
         return out
 
-    forms = [f for f in _GPU_GEMV_FORMS if f != "elementwise"]
+    forms = [f for f in _GPU_GEMV_FORMS if f != "elementwise" and f not in _GPU_GEMV_OWN_SUMS]
     modes = dict.fromkeys(("off", "late", "early+prefetch", "early+prefetch, K in steps",
                            "early+prefetch, normal L2 priority"), "elementwise")
     modes.update({f"early+prefetch, {form}": form for form in forms})
+    for form in _GPU_GEMV_OWN_SUMS:
+        modes.update({f"{mode}, {form}": form
+                      for mode in ("off", "late", "early+prefetch, K in steps")})
     # Last, once every other graph has run: the first two graphs replayed again.
     modes.update(dict.fromkeys(("off, replayed again", "early+prefetch, replayed again"),
                                "elementwise"))
@@ -1129,11 +1187,13 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     # For the log, not asserted: where the whole-K sums first round otherwise.
     print(first_difference("early+prefetch", "off") or "early+prefetch: the bits of off")
     differences = []
-    for mode in modes:
-        if mode in ("off", "early+prefetch"):
+    for mode, form in modes.items():
+        if mode in ("off", "early+prefetch", f"off, {form}"):
             continue
         whole_k = mode.startswith("early") and "K in steps" not in mode
-        difference = first_difference(mode, "early+prefetch" if whole_k else "off")
+        reference = (f"off, {form}" if form in _GPU_GEMV_OWN_SUMS
+                     else "early+prefetch" if whole_k else "off")
+        difference = first_difference(mode, reference)
         if difference is not None:
             differences.append(difference)
     assert not differences, "\n".join(differences)

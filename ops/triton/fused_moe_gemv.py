@@ -20,7 +20,9 @@ over from a few tokens on (the tuned tables in ``bastion.ops.moe_configs`` say w
 
 With ``BASTION_MOE_UP_RELEASE_AT_END`` (off by default, for A/B runs) the up kernel lets the
 down kernel launch only as each of its programs ends, so that the down kernel's grid starts as
-the up kernel finishes rather than beside it.
+the up kernel finishes rather than beside it. With ``BASTION_MOE_DOWN_SMEM`` (off by default,
+Hopper on) the down product is ``moe_down_smem.py``'s: its weights staged in shared memory
+while the up kernel streams.
 """
 
 from __future__ import annotations
@@ -198,6 +200,11 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl, EVICT=evict,
         RELEASE_AT_END=bool(pdl) and envs.get("BASTION_MOE_UP_RELEASE_AT_END"),
         num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=bool(pdl))
+    if _down_smem(w2, top_k):
+        from bastion.ops.triton.moe_down_smem import moe_down_smem
+
+        moe_down_smem(act, w2, out, ids, weights, expert_offset, pdl)
+        return out
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
@@ -208,6 +215,18 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]), EVICT=evict,
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out
+
+
+def _down_smem(w2: torch.Tensor, top_k: int) -> bool:
+    """``BASTION_MOE_DOWN_SMEM`` asked for, on a device with the copy engine (Hopper on), for
+    weights the staged form takes."""
+    if not envs.get("BASTION_MOE_DOWN_SMEM") or w2.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(w2.device)[0] < 9:
+        return False
+    from bastion.ops.triton.moe_down_smem import fits
+
+    return fits(w2, top_k)
 
 
 def _tiles(config: dict) -> tuple[dict, dict]:
