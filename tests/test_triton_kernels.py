@@ -970,6 +970,7 @@ _GPU_GEMV_FORMS = {
     "elementwise": {},
     "launched at the up kernel's end": {"BASTION_MOE_UP_RELEASE_AT_END": "1"},
     "down staged in shared memory": {"BASTION_MOE_DOWN_SMEM": "1"},
+    "down staged in shared memory, 4 warps": {"BASTION_MOE_DOWN_SMEM": "2"},
 }
 # The tuned batch-1 tiles of the H200's table (ops/moe_configs), whatever the card.
 _GPU_GEMV_TILES = {"up": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 128, "num_warps": 8, "num_stages": 2},
@@ -977,7 +978,7 @@ _GPU_GEMV_TILES = {"up": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 128, "num_warps": 8
                             "num_stages": 2}}
 # Forms whose float32 sums run in their own order (the launch-overlap test compares each with
 # itself without programmatic launch).
-_GPU_GEMV_OWN_SUMS = {"down staged in shared memory"}
+_GPU_GEMV_OWN_SUMS = {"down staged in shared memory", "down staged in shared memory, 4 warps"}
 
 
 @gpu
@@ -1022,13 +1023,14 @@ def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("form", ["1", "2"])
 @pytest.mark.parametrize("num_tokens", [1, 3])
 def test_gpu_moe_down_staged_in_shared_memory_expert_parallel_and_padding(
-        monkeypatch: pytest.MonkeyPatch, num_tokens: int) -> None:
-    """``BASTION_MOE_DOWN_SMEM`` at Qwen3-30B-A3B's expert shapes in bf16: two ranks' halves
-    (a token with experts on both, one with all on rank 0, a padding row of id -1) sum to the
-    float32 reference, a pair on another rank's expert adds exactly nothing, and each half
-    agrees with the Triton down kernel's to bf16 rounding."""
+        monkeypatch: pytest.MonkeyPatch, num_tokens: int, form: str) -> None:
+    """``BASTION_MOE_DOWN_SMEM`` (both forms) at Qwen3-30B-A3B's expert shapes in bf16: two
+    ranks' halves (a token with experts on both, one with all on rank 0, a padding row of id
+    -1) sum to the float32 reference, a pair on another rank's expert adds exactly nothing,
+    and each half agrees with the Triton down kernel's to bf16 rounding."""
     from bastion.ops.triton.moe_down_smem import fits
 
     dev = torch.device("cuda")
@@ -1047,20 +1049,20 @@ def test_gpu_moe_down_staged_in_shared_memory_expert_parallel_and_padding(
     if num_tokens > 1:
         ids[-1] = -1  # a padding row
     halves = {}
-    for staged in ("1", "0"):
+    for staged in (form, "0"):
         monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", staged)
         halves[staged] = [
             fused_moe_triton(x, w13[lo:lo + 64], w2[lo:lo + 64], weights, ids, expert_offset=lo,
                              config={"gemv": _GPU_GEMV_TILES})
             for lo in (0, 64)]
-    low, high = halves["1"]
+    low, high = halves[form]
     assert torch.count_nonzero(high[0]) == 0
     if num_tokens > 1:
         assert torch.count_nonzero(low[-1]) == 0 and torch.count_nonzero(high[-1]) == 0
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids.long())
     got = low.float() + high.float()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
-    for staged_half, triton_half in zip(halves["1"], halves["0"]):
+    for staged_half, triton_half in zip(halves[form], halves["0"]):
         # Both sum in float32 and round once to bf16: at most one bf16 step apart.
         step = triton_half.float().abs().clamp(min=2.0 ** -20) * 2.0 ** -7
         assert ((staged_half.float() - triton_half.float()).abs() <= step).all()
@@ -1107,8 +1109,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     mode; the early mode with K in steps (the same sums as without programmatic launch) is
     compared with the mode without it, so a kernel reading before its wait what the one
     before it still writes shows in either group. A form with sums of its own order
-    (``_GPU_GEMV_OWN_SUMS``) is compared with itself without programmatic launch. A failure names, per mode, the first kernel
-    output (layer and name) whose bits differ."""
+    (``_GPU_GEMV_OWN_SUMS``) is compared with itself without programmatic launch. A failure
+    names, per mode, the first kernel output (layer and name) whose bits differ."""
     from bastion.ops.linear import gemv
 
     dev = torch.device("cuda")

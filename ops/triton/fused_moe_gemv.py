@@ -194,16 +194,21 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     up, down = _tiles(config)
     pdl, evict = use_pdl(hidden.device), evict_policy(hidden.device)
     routed_bytes = num_tokens * top_k * w2[0].numel() * w2.element_size()  # at the most
+    staged = _down_smem(w2, top_k)
+    # Form 2 of the staged down product: the up kernel capped at 32 registers (no spill at
+    # the tuned tile), so that six of its programs and a 4-warp down program share a SM.
+    capped = {"maxnreg": 32} if staged == 2 else {}
     _moe_gemv_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_SIZE_N"]))](
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl, EVICT=evict,
         RELEASE_AT_END=bool(pdl) and envs.get("BASTION_MOE_UP_RELEASE_AT_END"),
-        num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=bool(pdl))
-    if _down_smem(w2, top_k):
+        num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=bool(pdl), **capped)
+    if staged:
         from bastion.ops.triton.moe_down_smem import moe_down_smem
 
-        moe_down_smem(act, w2, out, ids, weights, expert_offset, pdl)
+        moe_down_smem(act, w2, out, ids, weights, expert_offset, pdl,
+                      num_warps=2 if staged == 1 else 4)
         return out
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
@@ -217,16 +222,17 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     return out
 
 
-def _down_smem(w2: torch.Tensor, top_k: int) -> bool:
-    """``BASTION_MOE_DOWN_SMEM`` asked for, on a device with the copy engine (Hopper on), for
-    weights the staged form takes."""
-    if not envs.get("BASTION_MOE_DOWN_SMEM") or w2.device.type != "cuda":
-        return False
+def _down_smem(w2: torch.Tensor, top_k: int) -> int:
+    """``BASTION_MOE_DOWN_SMEM``'s form (0: off) where it was asked for, on a device with the
+    copy engine (Hopper on), for weights the staged form takes."""
+    form = envs.get("BASTION_MOE_DOWN_SMEM")
+    if not form or w2.device.type != "cuda":
+        return 0
     if torch.cuda.get_device_capability(w2.device)[0] < 9:
-        return False
+        return 0
     from bastion.ops.triton.moe_down_smem import fits
 
-    return fits(w2, top_k)
+    return form if fits(w2, top_k) else 0
 
 
 def _tiles(config: dict) -> tuple[dict, dict]:

@@ -30,6 +30,7 @@ BLOCK_N = 16  # output rows a program: 2048 / 16 = 128 programs, one a SM
 BLOCK_K = 64  # columns a weight copy and a step
 ACT_K = 256  # columns a copy of the k product rows
 NUM_WARPS = 2  # 64 threads at <= 64 registers fit beside six up programs of 10,240
+# (form 2, BASTION_MOE_DOWN_SMEM=2: 4 warps at 80 registers beside six up programs capped at 32)
 SMEM_LIMIT = 200 * 1024  # what a program may stage, leaving the up kernel its share
 
 
@@ -159,7 +160,8 @@ def _w2_descriptor(w2: torch.Tensor) -> TensorDescriptor:
 
 
 def moe_down_smem(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor, expert_offset: int, use_pdl: int) -> None:
+                  weights: torch.Tensor, expert_offset: int, use_pdl: int,
+                  num_warps: int = NUM_WARPS) -> None:
     """``out[t] = sum_j weights[t, j] * w2[ids[t, j]] @ act[t * k + j]`` over the local
     experts, as ``fused_moe_gemv``'s down kernel; the caller checked ``fits``. ``act`` is
     [tokens * k, I], contiguous."""
@@ -171,5 +173,5 @@ def moe_down_smem(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, ids: t
         act_desc, _w2_descriptor(w2), out, ids, weights, expert_offset, num_local, hidden,
         out.stride(0), TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
         NUM_KC=_cdiv(inter, BLOCK_K), NUM_AC=_cdiv(inter, ACT_K),
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ACT_K=ACT_K, USE_PDL=use_pdl, num_warps=NUM_WARPS,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ACT_K=ACT_K, USE_PDL=use_pdl, num_warps=num_warps,
         launch_pdl=bool(use_pdl))
