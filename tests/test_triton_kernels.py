@@ -794,6 +794,31 @@ def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows() -> None:
                                atol=1e-5)
 
 
+def test_moe_down_staged_takes_qwen3_30b_and_leaves_the_cpu_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BASTION_MOE_DOWN_SMEM``: the staged form's shared-memory budget takes Qwen3-30B-A3B's
+    experts (8 of 768 columns: 204 KB a program) and refuses float32 weights and a wider
+    intermediate; on the CPU the switch leaves the Triton path's result exactly as it is."""
+    from bastion.ops.triton.moe_down_smem import fits
+
+    assert fits(torch.empty(64, 2048, 768, dtype=torch.bfloat16), 8)
+    assert not fits(torch.empty(64, 2048, 768), 8)
+    assert not fits(torch.empty(4, 2048, 1536, dtype=torch.bfloat16), 8)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 72, generator=gen)
+    w13 = torch.randn(8, 80, 72, generator=gen) / 72 ** 0.5
+    w2 = torch.randn(8, 72, 40, generator=gen) / 40 ** 0.5
+    weights, ids = select_experts_ref(torch.randn(2, 8, generator=gen), 2, True)
+    outs = []
+    for form in ("0", "2"):
+        monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", form)
+        outs.append(fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES}))
+    assert torch.equal(outs[0], outs[1])
+    monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", "3")
+    with pytest.raises(ValueError, match="BASTION_MOE_DOWN_SMEM"):
+        fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
+
+
 def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """``BASTION_MOE_GEMV_CONFIG`` (in-model tile sweeps) replaces the table's up tile and
     keeps its down tile; the kernels run in those tiles and still match the reference; a

@@ -31,7 +31,9 @@ BLOCK_K = 64  # columns a weight copy and a step
 ACT_K = 256  # columns a copy of the k product rows
 NUM_WARPS = 2  # 64 threads at <= 64 registers fit beside six up programs of 10,240
 # (form 2, BASTION_MOE_DOWN_SMEM=2: 4 warps at 80 registers beside six up programs capped at 32)
-SMEM_LIMIT = 200 * 1024  # what a program may stage, leaving the up kernel its share
+# What a program may stage: a SM's 228 KB less the driver's 1 KB a program (the six up
+# programs' and this one's) and the barriers. Qwen3-30B-A3B stages 204 KB.
+SMEM_LIMIT = 220 * 1024
 
 
 @gluon.jit
@@ -145,18 +147,11 @@ def _layout() -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
-_w2_descriptors: dict[tuple, TensorDescriptor] = {}
-
-
 def _w2_descriptor(w2: torch.Tensor) -> TensorDescriptor:
     """The copy engine's view of the experts' down rows, [E * H, I] in [BLOCK_N, BLOCK_K]
-    boxes; one a weight tensor (the weights stay put for the engine's life)."""
-    key = (w2.data_ptr(), tuple(w2.shape), w2.dtype)
-    desc = _w2_descriptors.get(key)
-    if desc is None:
-        desc = _w2_descriptors[key] = TensorDescriptor.from_tensor(
-            w2.view(-1, w2.shape[2]), [BLOCK_N, BLOCK_K], _layout())
-    return desc
+    boxes (built per launch: the launcher encodes it per launch anyway, and a cache would
+    keep freed weights alive)."""
+    return TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [BLOCK_N, BLOCK_K], _layout())
 
 
 def moe_down_smem(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, ids: torch.Tensor,
