@@ -26,6 +26,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# Triton 3.6 (the GPU host's) names the copy engine's load async_copy_global_to_shared; later
+# ones, async_load (the old name raises).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 BLOCK_N = 16  # output rows a program: 2048 / 16 = 128 programs, one a SM
 BLOCK_K = 64  # columns a weight copy and a step
 ACT_K = 256  # columns a copy of the k product rows
@@ -97,14 +101,14 @@ def _moe_down_smem_kernel(
         row = gl.sum(gl.where(offs_j == j, rows, 0), axis=0)
         mbarrier.expect(bars.index(j), NUM_KC * BLOCK_N * BLOCK_K * 2)
         for c in gl.static_range(NUM_KC):
-            tma.async_copy_global_to_shared(w2_desc, [row, c * BLOCK_K], bars.index(j),
+            _tma_load(w2_desc, [row, c * BLOCK_K], bars.index(j),
                                             w_smem.index(j * NUM_KC + c))
     _gdc_wait()  # the up kernel's products are written
     if USE_PDL == 1:  # late mode
         _gdc_launch_dependents()
     mbarrier.expect(bars.index(TOP_K), NUM_AC * TOP_K * ACT_K * 2)
     for c in gl.static_range(NUM_AC):
-        tma.async_copy_global_to_shared(act_desc, [token * TOP_K, c * ACT_K],
+        _tma_load(act_desc, [token * TOP_K, c * ACT_K],
                                         bars.index(TOP_K), act_smem.index(c))
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // BLOCK_K, BLOCK_K // 4],
                                             [gl.num_warps(), 1], [1, 0])
