@@ -798,7 +798,8 @@ def test_moe_down_staged_takes_qwen3_30b_and_leaves_the_cpu_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``BASTION_MOE_DOWN_SMEM``: the staged form's shared-memory budget takes Qwen3-30B-A3B's
     experts (8 of 768 columns: 204 KB a program) and refuses float32 weights and a wider
-    intermediate; on the CPU the switch leaves the Triton path's result exactly as it is."""
+    intermediate; on the CPU the switch (and ``BASTION_SMEM_CARVEOUT``) leaves the Triton
+    path's result exactly as it is, and a carve-out outside -1..100 is refused by name."""
     from bastion.ops.triton.moe_down_smem import fits
 
     assert fits(torch.empty(64, 2048, 768, dtype=torch.bfloat16), 8)
@@ -817,6 +818,14 @@ def test_moe_down_staged_takes_qwen3_30b_and_leaves_the_cpu_alone(
     monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", "3")
     with pytest.raises(ValueError, match="BASTION_MOE_DOWN_SMEM"):
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
+    monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", "0")
+    monkeypatch.setenv("BASTION_SMEM_CARVEOUT", "100")
+    assert torch.equal(
+        fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES}), outs[0])
+    for bad in ("101", "-2", "max"):
+        monkeypatch.setenv("BASTION_SMEM_CARVEOUT", bad)
+        with pytest.raises(ValueError, match="BASTION_SMEM_CARVEOUT"):
+            fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
 def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1092,6 +1101,52 @@ def test_gpu_moe_down_staged_in_shared_memory_expert_parallel_and_padding(
         # zero, where float32's own rounding of 6,144 products may decide, 2^-14 at most).
         step = (triton_half.float().abs() * 2.0 ** -7).clamp(min=2.0 ** -14)
         assert ((staged_half.float() - triton_half.float()).abs() <= step).all()
+
+
+@gpu
+@requires_cuda
+def test_gpu_smem_carveout_reaches_every_kernel_loaded_before_and_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BASTION_SMEM_CARVEOUT=100``: every bastion Triton kernel loaded before the switch and
+    every one loaded after it (a new top-k compiles new kernels) prefers the largest carve-out,
+    as the driver reads it back; -1 gives the driver its choice again; results are the same
+    bits either way (only placement changes)."""
+    import ctypes
+
+    from bastion.ops.triton import carveout
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(7)
+    w13 = (torch.randn(16, 2 * 768, 2048, device=dev, generator=gen) / 2048 ** 0.5).bfloat16()
+    w2 = (torch.randn(16, 2048, 768, device=dev, generator=gen) / 768 ** 0.5).bfloat16()
+    x = torch.randn(1, 2048, device=dev, generator=gen).bfloat16()
+    routed = {k: select_experts_ref(torch.randn(1, 16, device=dev, generator=gen), k, True)
+              for k in (8, 6)}
+
+    def run(k: int) -> torch.Tensor:
+        weights, ids = routed[k]
+        return fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GPU_GEMV_TILES})
+
+    def carveouts() -> set[int]:
+        lib, value = ctypes.CDLL("libcuda.so.1"), ctypes.c_int()
+        got = set()
+        for function in carveout._loaded_functions():
+            assert lib.cuFuncGetAttribute(ctypes.byref(value), 9, ctypes.c_void_p(function)) == 0
+            got.add(value.value)
+        return got
+
+    monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", "1")
+    monkeypatch.setenv("BASTION_SMEM_CARVEOUT", "-1")
+    before = run(8)
+    monkeypatch.setenv("BASTION_SMEM_CARVEOUT", "100")
+    assert torch.equal(run(8), before)
+    assert carveouts() == {100}
+    count = len(list(carveout._loaded_functions()))
+    run(6)  # new kernels, loaded under the switch
+    assert len(list(carveout._loaded_functions())) > count and carveouts() == {100}
+    monkeypatch.setenv("BASTION_SMEM_CARVEOUT", "-1")
+    assert torch.equal(run(8), before)
+    assert carveouts() == {-1}
 
 
 @gpu

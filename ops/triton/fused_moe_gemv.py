@@ -195,6 +195,11 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     pdl, evict = use_pdl(hidden.device), evict_policy(hidden.device)
     routed_bytes = num_tokens * top_k * w2[0].numel() * w2.element_size()  # at the most
     staged = _down_smem(w2, top_k)
+    carve = envs.get("BASTION_SMEM_CARVEOUT")  # read (and checked) on any device
+    if hidden.is_cuda:
+        from bastion.ops.triton import carveout
+
+        carveout.apply(carve)
     # Form 2 of the staged down product: the up kernel capped at 32 registers (no spill at
     # the tuned tile), so that six of its programs and a 4-warp down program share a SM.
     capped = {"maxnreg": 32} if staged == 2 else {}
