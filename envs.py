@@ -143,8 +143,9 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_SMEM_CARVEOUT": EnvVar(
         -1, _carveout, "a percentage (0-100) of the most shared memory that every Triton kernel "
         "prefers for its SM's split of L1 and shared memory; -1: the driver's choice. 100 lets "
-        "BASTION_MOE_DOWN_SMEM's programs become resident beside the kernels before them "
-        "(ops/triton/carveout.py; A/B runs)"),
+        "BASTION_MOE_DOWN_SMEM's programs become resident beside the kernels before them. "
+        "Set when the few-token MoE launcher runs, so a model without MoE layers never "
+        "applies it (ops/triton/carveout.py; A/B runs)"),
     "BASTION_L2_EVICT_FIRST": EnvVar(
         True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
         "weights with L2's normal priority instead of evict-first (A/B runs)"),

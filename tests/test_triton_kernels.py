@@ -1131,7 +1131,8 @@ def test_gpu_smem_carveout_reaches_every_kernel_loaded_before_and_after(
         lib, value = ctypes.CDLL("libcuda.so.1"), ctypes.c_int()
         got = set()
         for function in carveout._loaded_functions():
-            assert lib.cuFuncGetAttribute(ctypes.byref(value), 9, ctypes.c_void_p(function)) == 0
+            assert lib.cuFuncGetAttribute(ctypes.byref(value), carveout._PREFERRED_CARVEOUT,
+                                          ctypes.c_void_p(function)) == 0
             got.add(value.value)
         return got
 

@@ -18,21 +18,20 @@ import ctypes
 import sys
 
 _PREFERRED_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-_state: dict = {"percent": -1, "hooked": False, "lib": None}
+_state: dict = {"percent": -1, "lib": None}  # lib: libcuda, loaded with the hook added
 
 
 def apply(percent: int) -> None:
     """Prefer ``percent`` (-1: the driver's choice) for every Triton kernel of bastion's, now
-    and as more load. Cheap when unchanged: the launcher calls it on every launch."""
+    and as more load. Cheap when unchanged: the few-token MoE launcher calls it on every
+    launch (so a model without MoE layers never applies it)."""
     if percent == _state["percent"]:
         return
     if _state["lib"] is None:
-        _state["lib"] = ctypes.CDLL("libcuda.so.1")
-    if not _state["hooked"]:
         import triton
 
+        _state["lib"] = ctypes.CDLL("libcuda.so.1")
         triton.knobs.runtime.kernel_load_end_hook.add(_on_load)
-        _state["hooked"] = True
     _state["percent"] = percent
     for function in _loaded_functions():
         _set(function, percent)
