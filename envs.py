@@ -32,18 +32,6 @@ def _levels(value: str) -> int:
     return int(value)
 
 
-def _down_smem_form(value: str) -> int:
-    if value not in ("0", "1", "2"):
-        raise ValueError("must be 0 (off), 1 (2 warps) or 2 (4 warps, the up kernel capped)")
-    return int(value)
-
-
-def _carveout(value: str) -> int:
-    if value.strip().lstrip("-").isdigit() and -1 <= int(value) <= 100:
-        return int(value)
-    raise ValueError("must be -1 (the driver's choice) or a percentage, 0 to 100")
-
-
 def _count(value: str) -> int:
     if not value.isdigit():
         raise ValueError("must be a whole number (0: the default)")
@@ -135,17 +123,6 @@ VARIABLES: dict[str, EnvVar] = {
         False, _flag, "1: the MoE up kernel (a few tokens) lets the down kernel launch only as "
         "each of its programs ends, not after its wait, so that the down kernel's grid starts "
         "as the up kernel finishes instead of beside it (A/B runs)"),
-    "BASTION_MOE_DOWN_SMEM": EnvVar(
-        0, _down_smem_form, "1: the few-token MoE down product stages its experts' rows in "
-        "shared memory through the copy engine while the up kernel streams, then waits "
-        "(ops/triton/moe_down_smem.py; Hopper on, 2-byte weights; 2 warps); 2: the same in 4 "
-        "warps, the up kernel capped at 32 registers so that both fit a SM (A/B runs)"),
-    "BASTION_SMEM_CARVEOUT": EnvVar(
-        -1, _carveout, "a percentage (0-100) of the most shared memory that every Triton kernel "
-        "prefers for its SM's split of L1 and shared memory; -1: the driver's choice. 100 lets "
-        "BASTION_MOE_DOWN_SMEM's programs become resident beside the kernels before them. "
-        "Set when the few-token MoE launcher runs, so a model without MoE layers never "
-        "applies it (ops/triton/carveout.py; A/B runs)"),
     "BASTION_L2_EVICT_FIRST": EnvVar(
         True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
         "weights with L2's normal priority instead of evict-first (A/B runs)"),

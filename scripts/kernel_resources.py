@@ -65,10 +65,6 @@ def source(fn, args: dict, consts: dict):
             constexprs[(i,)] = attr
         elif isinstance(attr, str) and attr:
             attrs[(i,)] = BaseBackend.parse_attr(attr)
-    if getattr(fn, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        return GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
@@ -152,7 +148,6 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
             {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "USE_PDL": 2,
              "PREFETCH": True, "W_BYTES": 2, "LINES": 128, "EVICT": "evict_first"},
             {"num_warps": 4, "num_stages": 2, **pdl})]
-    out += staged_down(pdl)
     gemv = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 1, "USE_PDL": 2, "PREFETCH": False,
             "W_BYTES": 2, "LINES": 128, "ONE_ROW": True, "EVICT": "evict_first"}
     qkv_args = {**gemv_args, "N": 5120, "K": 2048, "stride_xm": 2048, "stride_wn": 2048,
@@ -188,30 +183,6 @@ def variants() -> list[tuple[str, object, dict, dict, dict]]:
                  "PASS_ARANGE": 1, "DIM_PAD": 128, "IS_NEOX": True, "NORM": True,
                  "STORE": True, "BLOCK_SIZE": 16, "USE_PDL": 2}, {"num_warps": 4, **pdl}))
     return out
-
-
-def staged_down(pdl: dict) -> list[tuple[str, object, dict, dict, dict]]:
-    """``BASTION_MOE_DOWN_SMEM``'s Gluon kernel (its tensor-memory descriptors over small
-    host tensors: only their block shapes and layouts reach the compiler); none where this
-    Triton has no Gluon for Hopper."""
-    try:
-        import torch
-
-        from bastion.ops.triton import moe_down_smem as m
-    except ImportError as exc:
-        print(f"(no staged down kernel: {exc})")
-        return []
-    w2 = torch.empty((1, 16, 768), dtype=torch.bfloat16)
-    act = torch.empty((8, 768), dtype=torch.bfloat16)
-    args = {"act_desc": m.TensorDescriptor.from_tensor(act, [8, m.ACT_K], m._layout()),
-            "w2_desc": m._w2_descriptor(w2), "out_ptr": Ptr("bf16"), "ids_ptr": Ptr("i32"),
-            "weights_ptr": Ptr("fp32"), "expert_offset": 0, "num_local": 128, "N": 2048,
-            "stride_out": 2048}
-    consts = {"TOP_K": 8, "BLOCK_TOPK": 8, "NUM_KC": 768 // m.BLOCK_K, "NUM_AC": 768 // m.ACT_K,
-              "BLOCK_N": m.BLOCK_N, "BLOCK_K": m.BLOCK_K, "ACT_K": m.ACT_K, "USE_PDL": 2}
-    return [(f"moe down staged in shared memory {m.BLOCK_N}x{m.BLOCK_K} "
-             f"(BASTION_MOE_DOWN_SMEM, {m.NUM_WARPS} warps)", m._moe_down_smem_kernel, args,
-             consts, {"num_warps": m.NUM_WARPS, **pdl})]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -794,40 +794,6 @@ def test_fused_moe_gemv_expert_parallel_slices_and_padding_rows() -> None:
                                atol=1e-5)
 
 
-def test_moe_down_staged_takes_qwen3_30b_and_leaves_the_cpu_alone(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``BASTION_MOE_DOWN_SMEM``: the staged form's shared-memory budget takes Qwen3-30B-A3B's
-    experts (8 of 768 columns: 204 KB a program) and refuses float32 weights and a wider
-    intermediate; on the CPU the switch (and ``BASTION_SMEM_CARVEOUT``) leaves the Triton
-    path's result exactly as it is, and a carve-out outside -1..100 is refused by name."""
-    from bastion.ops.triton.moe_down_smem import fits
-
-    assert fits(torch.empty(64, 2048, 768, dtype=torch.bfloat16), 8)
-    assert not fits(torch.empty(64, 2048, 768), 8)
-    assert not fits(torch.empty(4, 2048, 1536, dtype=torch.bfloat16), 8)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 72, generator=gen)
-    w13 = torch.randn(8, 80, 72, generator=gen) / 72 ** 0.5
-    w2 = torch.randn(8, 72, 40, generator=gen) / 40 ** 0.5
-    weights, ids = select_experts_ref(torch.randn(2, 8, generator=gen), 2, True)
-    outs = []
-    for form in ("0", "2"):
-        monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", form)
-        outs.append(fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES}))
-    assert torch.equal(outs[0], outs[1])
-    monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", "3")
-    with pytest.raises(ValueError, match="BASTION_MOE_DOWN_SMEM"):
-        fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
-    monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", "0")
-    monkeypatch.setenv("BASTION_SMEM_CARVEOUT", "100")
-    assert torch.equal(
-        fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES}), outs[0])
-    for bad in ("101", "-2", "max"):
-        monkeypatch.setenv("BASTION_SMEM_CARVEOUT", bad)
-        with pytest.raises(ValueError, match="BASTION_SMEM_CARVEOUT"):
-            fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
-
-
 def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """``BASTION_MOE_GEMV_CONFIG`` (in-model tile sweeps) replaces the table's up tile and
     keeps its down tile; the kernels run in those tiles and still match the reference; a
@@ -1003,16 +969,7 @@ def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
 _GPU_GEMV_FORMS = {
     "elementwise": {},
     "launched at the up kernel's end": {"BASTION_MOE_UP_RELEASE_AT_END": "1"},
-    "down staged in shared memory": {"BASTION_MOE_DOWN_SMEM": "1"},
-    "down staged in shared memory, 4 warps": {"BASTION_MOE_DOWN_SMEM": "2"},
 }
-# The tuned batch-1 tiles of the H200's table (ops/moe_configs), whatever the card.
-_GPU_GEMV_TILES = {"up": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 128, "num_warps": 8, "num_stages": 2},
-                   "down": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 256, "num_warps": 4,
-                            "num_stages": 2}}
-# Forms whose float32 sums run in their own order (the launch-overlap test compares each with
-# itself without programmatic launch).
-_GPU_GEMV_OWN_SUMS = {"down staged in shared memory", "down staged in shared memory, 4 warps"}
 
 
 @gpu
@@ -1057,101 +1014,6 @@ def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("form", ["1", "2"])
-@pytest.mark.parametrize("num_tokens", [1, 3])
-def test_gpu_moe_down_staged_in_shared_memory_expert_parallel_and_padding(
-        monkeypatch: pytest.MonkeyPatch, num_tokens: int, form: str) -> None:
-    """``BASTION_MOE_DOWN_SMEM`` (both forms) at Qwen3-30B-A3B's expert shapes in bf16: two
-    ranks' halves (a token with experts on both, one with all on rank 0, a padding row of id
-    -1) sum to the float32 reference, a pair on another rank's expert adds exactly nothing,
-    and each half agrees with the Triton down kernel's to bf16 rounding."""
-    from bastion.ops.triton.moe_down_smem import fits
-
-    dev = torch.device("cuda")
-    num_experts, inter, hidden, top_k = 128, 768, 2048, 8
-    gen = torch.Generator(device=dev).manual_seed(40 + num_tokens)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=dev, generator=gen)
-           / hidden ** 0.5).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, inter, device=dev, generator=gen)
-          / inter ** 0.5).bfloat16()
-    assert fits(w2[:64], top_k)
-    x = torch.randn(num_tokens, hidden, device=dev, generator=gen).bfloat16()
-    logits = torch.randn(num_tokens, num_experts, device=dev, generator=gen)
-    weights, ids = select_experts_ref(logits, top_k, True)
-    ids = ids.int()
-    ids[0] = torch.arange(0, 2 * top_k, 2, dtype=torch.int32)  # all on rank 0's half
-    if num_tokens > 1:
-        ids[-1] = -1  # a padding row
-    halves = {}
-    for staged in (form, "0"):
-        monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", staged)
-        halves[staged] = [
-            fused_moe_triton(x, w13[lo:lo + 64], w2[lo:lo + 64], weights, ids, expert_offset=lo,
-                             config={"gemv": _GPU_GEMV_TILES})
-            for lo in (0, 64)]
-    low, high = halves[form]
-    assert torch.count_nonzero(high[0]) == 0
-    if num_tokens > 1:
-        assert torch.count_nonzero(low[-1]) == 0 and torch.count_nonzero(high[-1]) == 0
-    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids.long())
-    got = low.float() + high.float()
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
-    for staged_half, triton_half in zip(halves[form], halves["0"]):
-        # Both sum in float32 and round once to bf16: at most one bf16 step apart (and, near
-        # zero, where float32's own rounding of 6,144 products may decide, 2^-14 at most).
-        step = (triton_half.float().abs() * 2.0 ** -7).clamp(min=2.0 ** -14)
-        assert ((staged_half.float() - triton_half.float()).abs() <= step).all()
-
-
-@gpu
-@requires_cuda
-def test_gpu_smem_carveout_reaches_every_kernel_loaded_before_and_after(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``BASTION_SMEM_CARVEOUT=100``: every bastion Triton kernel loaded before the switch and
-    every one loaded after it (a new top-k compiles new kernels) prefers the largest carve-out,
-    as the driver reads it back; -1 gives the driver its choice again; results are the same
-    bits either way (only placement changes)."""
-    import ctypes
-
-    from bastion.ops.triton import carveout
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(7)
-    w13 = (torch.randn(16, 2 * 768, 2048, device=dev, generator=gen) / 2048 ** 0.5).bfloat16()
-    w2 = (torch.randn(16, 2048, 768, device=dev, generator=gen) / 768 ** 0.5).bfloat16()
-    x = torch.randn(1, 2048, device=dev, generator=gen).bfloat16()
-    routed = {k: select_experts_ref(torch.randn(1, 16, device=dev, generator=gen), k, True)
-              for k in (8, 6)}
-
-    def run(k: int) -> torch.Tensor:
-        weights, ids = routed[k]
-        return fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GPU_GEMV_TILES})
-
-    def carveouts() -> set[int]:
-        lib, value = ctypes.CDLL("libcuda.so.1"), ctypes.c_int()
-        got = set()
-        for function in carveout._loaded_functions():
-            assert lib.cuFuncGetAttribute(ctypes.byref(value), carveout._PREFERRED_CARVEOUT,
-                                          ctypes.c_void_p(function)) == 0
-            got.add(value.value)
-        return got
-
-    monkeypatch.setenv("BASTION_MOE_DOWN_SMEM", "1")
-    monkeypatch.setenv("BASTION_SMEM_CARVEOUT", "-1")
-    before = run(8)
-    monkeypatch.setenv("BASTION_SMEM_CARVEOUT", "100")
-    assert torch.equal(run(8), before)
-    assert carveouts() == {100}
-    count = len(list(carveout._loaded_functions()))
-    run(6)  # new kernels, loaded under the switch
-    assert len(list(carveout._loaded_functions())) > count and carveouts() == {100}
-    monkeypatch.setenv("BASTION_SMEM_CARVEOUT", "-1")
-    assert torch.equal(run(8), before)
-    assert carveouts() == {-1}
-
-
-@gpu
-@requires_cuda
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gpu_gemv_decode_rows_bf16(rows: int) -> None:
     """The decode-rows matmul as the linear layers call it on CUDA (``ops.linear``), at
@@ -1190,9 +1052,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     stepped K of the modes without early release, so they are compared with the first early
     mode; the early mode with K in steps (the same sums as without programmatic launch) is
     compared with the mode without it, so a kernel reading before its wait what the one
-    before it still writes shows in either group. A form with sums of its own order
-    (``_GPU_GEMV_OWN_SUMS``) is compared with itself without programmatic launch. A failure
-    names, per mode, the first kernel output (layer and name) whose bits differ."""
+    before it still writes shows in either group. A failure names, per mode, the first kernel
+    output (layer and name) whose bits differ."""
     from bastion.ops.linear import gemv
 
     dev = torch.device("cuda")
@@ -1225,13 +1086,10 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
         trace.append(("out", out))
         return out
 
-    forms = [f for f in _GPU_GEMV_FORMS if f != "elementwise" and f not in _GPU_GEMV_OWN_SUMS]
+    forms = [f for f in _GPU_GEMV_FORMS if f != "elementwise"]
     modes = dict.fromkeys(("off", "late", "early+prefetch", "early+prefetch, K in steps",
                            "early+prefetch, normal L2 priority"), "elementwise")
     modes.update({f"early+prefetch, {form}": form for form in forms})
-    for form in _GPU_GEMV_OWN_SUMS:
-        modes.update({f"{mode}, {form}": form
-                      for mode in ("off", "late", "early+prefetch, K in steps")})
     # Last, once every other graph has run: the first two graphs replayed again.
     modes.update(dict.fromkeys(("off, replayed again", "early+prefetch, replayed again"),
                                "elementwise"))
@@ -1271,13 +1129,11 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     # For the log, not asserted: where the whole-K sums first round otherwise.
     print(first_difference("early+prefetch", "off") or "early+prefetch: the bits of off")
     differences = []
-    for mode, form in modes.items():
-        if mode in ("off", "early+prefetch", f"off, {form}"):
+    for mode in modes:
+        if mode in ("off", "early+prefetch"):
             continue
         whole_k = mode.startswith("early") and "K in steps" not in mode
-        reference = (f"off, {form}" if form in _GPU_GEMV_OWN_SUMS
-                     else "early+prefetch" if whole_k else "off")
-        difference = first_difference(mode, reference)
+        difference = first_difference(mode, "early+prefetch" if whole_k else "off")
         if difference is not None:
             differences.append(difference)
     assert not differences, "\n".join(differences)

@@ -20,9 +20,7 @@ over from a few tokens on (the tuned tables in ``bastion.ops.moe_configs`` say w
 
 With ``BASTION_MOE_UP_RELEASE_AT_END`` (off by default, for A/B runs) the up kernel lets the
 down kernel launch only as each of its programs ends, so that the down kernel's grid starts as
-the up kernel finishes rather than beside it. With ``BASTION_MOE_DOWN_SMEM`` (off by default,
-Hopper on) the down product is ``moe_down_smem.py``'s: its weights staged in shared memory
-while the up kernel streams.
+the up kernel finishes rather than beside it.
 """
 
 from __future__ import annotations
@@ -194,27 +192,12 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     up, down = _tiles(config)
     pdl, evict = use_pdl(hidden.device), evict_policy(hidden.device)
     routed_bytes = num_tokens * top_k * w2[0].numel() * w2.element_size()  # at the most
-    staged = _down_smem(w2, top_k)
-    carve = envs.get("BASTION_SMEM_CARVEOUT")  # read (and checked) on any device
-    if hidden.is_cuda:
-        from bastion.ops.triton import carveout
-
-        carveout.apply(carve)
-    # Form 2 of the staged down product: the up kernel capped at 32 registers (no spill at
-    # the tuned tile), so that six of its programs and a 4-warp down program share a SM.
-    capped = {"maxnreg": 32} if staged == 2 else {}
     _moe_gemv_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_SIZE_N"]))](
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl, EVICT=evict,
         RELEASE_AT_END=bool(pdl) and envs.get("BASTION_MOE_UP_RELEASE_AT_END"),
-        num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=bool(pdl), **capped)
-    if staged:
-        from bastion.ops.triton.moe_down_smem import moe_down_smem
-
-        moe_down_smem(act, w2, out, ids, weights, expert_offset, pdl,
-                      num_warps=2 if staged == 1 else 4)
-        return out
+        num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=bool(pdl))
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
@@ -225,19 +208,6 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         W_BYTES=w2.element_size(), LINES=prefetch_lanes(down["num_warps"]), EVICT=evict,
         num_warps=down["num_warps"], num_stages=down["num_stages"], launch_pdl=bool(pdl))
     return out
-
-
-def _down_smem(w2: torch.Tensor, top_k: int) -> int:
-    """``BASTION_MOE_DOWN_SMEM``'s form (0: off) where it was asked for, on a device with the
-    copy engine (Hopper on), for weights the staged form takes."""
-    form = envs.get("BASTION_MOE_DOWN_SMEM")
-    if not form or w2.device.type != "cuda":
-        return 0
-    if torch.cuda.get_device_capability(w2.device)[0] < 9:
-        return 0
-    from bastion.ops.triton.moe_down_smem import fits
-
-    return form if fits(w2, top_k) else 0
 
 
 def _tiles(config: dict) -> tuple[dict, dict]:
