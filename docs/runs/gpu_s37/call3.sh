@@ -14,6 +14,7 @@ run() { # name, limit, stage, env...
 run a 120 moetune MOE_TUNE_ARGS="--tokens 16384 --block-ms 128 --iters 5 --update --install"
 cp "$F" $OUT/tuned.json
 run b 260 moe MOE_ARGS="--offline --latency --num-iters 10"
+[ $SECONDS -lt 330 ] && run v 120 moevariants MOE_VARIANTS="base BASTION_MOE_UP_RELEASE_AT_END=1 BASTION_MOE_GEMV_CONFIG=down=4,256,4,2 BASTION_MOE_UP_RELEASE_AT_END=1+BASTION_MOE_GEMV_CONFIG=down=4,256,4,2" MOE_ARGS="--rounds 2 --num-iters 10"
 [ $SECONDS -lt 420 ] && run c 150 tests
 [ $SECONDS -lt 500 ] && run d 80 offline
-for n in a b c d; do echo "==== $n"; cat $OUT/${n}_summary.txt 2>/dev/null; done
+for n in a b v c d; do echo "==== $n"; cat $OUT/${n}_summary.txt 2>/dev/null; done
