@@ -11,10 +11,9 @@ run() { # name, limit, stage, env...
   cp $OUT/summary.txt $OUT/${n}_summary.txt; cp /tmp/bastion-gpu-stages/$st.log $OUT/${n}_$st.log; rm -f $OUT/gpu_run.log
   echo "$n $st done at $((SECONDS-S))s"
 }
-run a 120 moetune MOE_TUNE_ARGS="--tokens 16384 --block-ms 128 --iters 5 --update --install"
-cp "$F" $OUT/tuned.json
 run b 260 moe MOE_ARGS="--offline --latency --num-iters 10"
-[ $SECONDS -lt 330 ] && run v 120 moevariants MOE_VARIANTS="base BASTION_MOE_UP_RELEASE_AT_END=1 BASTION_MOE_GEMV_CONFIG=down=4,256,4,2 BASTION_MOE_UP_RELEASE_AT_END=1+BASTION_MOE_GEMV_CONFIG=down=4,256,4,2" MOE_ARGS="--rounds 2 --num-iters 10"
-[ $SECONDS -lt 420 ] && run c 150 tests
-[ $SECONDS -lt 500 ] && run d 80 offline
-for n in a b v c d; do echo "==== $n"; cat $OUT/${n}_summary.txt 2>/dev/null; done
+run c 150 tests
+[ $SECONDS -lt 400 ] && run a 100 moetune MOE_TUNE_ARGS="--tokens 16384 --block-ms 128 --iters 5 --update --install" && cp "$F" $OUT/tuned.json
+[ $SECONDS -lt 440 ] && run v 120 moevariants MOE_VARIANTS="base BASTION_MOE_UP_RELEASE_AT_END=1 BASTION_MOE_GEMV_CONFIG=down=4,256,4,2 BASTION_MOE_UP_RELEASE_AT_END=1+BASTION_MOE_GEMV_CONFIG=down=4,256,4,2" MOE_ARGS="--rounds 2 --num-iters 10"
+[ $SECONDS -lt 510 ] && run d 70 offline
+for n in b c a v d; do echo "==== $n"; cat $OUT/${n}_summary.txt 2>/dev/null; done
