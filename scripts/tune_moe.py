@@ -238,13 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; E={num_experts} N={inter} K={hidden} "
           f"top-{top_k}; {(w13[0].numel() + w2[0].numel()) * 2 / 1e6:.1f} MB per expert")
     print(f"{'tokens':>6} {'BM':>4} | {'uniform us':>10} {'best':>6} {'floor':>6} {'of floor':>8} "
-          f"| {'hot us':>7} {'best':>6} {'floor':>6} | {'default uniform/hot us':>22}")
+          f"| {'hot us':>7} {'best':>6} {'floor':>6} | {'default uniform/hot us':>22}"
+          + (" | table's entry uniform/hot us" if args.update else ""))
     name = config_file_name(num_experts, inter, hidden, torch.cuda.get_device_name(), dtype)
     repo_table = os.path.join(REPO, "ops", "moe_configs", name)
     table: dict[str, dict] = {}
     if args.update and os.path.isfile(repo_table):
         with open(repo_table) as f:
             table = json.load(f)
+    replaced = dict(table)  # with --update: each entry timed beside the one that replaces it
     for m in args.tokens:
         uniform, hot = (RoutingCase(m, cfg.num_experts, w13, w2, top_k, h, bw)
                         for h in (False, True))
@@ -281,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{uniform.floor_s * 1e6:>6.1f} {uniform.floor_s / t_u:>8.0%} | "
               f"{hot.time(chosen, args.iters) * 1e6:>7.1f} {best_h * 1e6:>6.1f} "
               f"{hot.floor_s * 1e6:>6.1f} | {uniform.time(default, args.iters) * 1e6:>10.1f}/"
-              f"{hot.time(default, args.iters) * 1e6:<10.1f}", flush=True)
+              f"{hot.time(default, args.iters) * 1e6:<10.1f}"
+              + (f" | {uniform.time(replaced[str(m)], args.iters) * 1e6:.1f}/"
+                 f"{hot.time(replaced[str(m)], args.iters) * 1e6:.1f}"
+                 if str(m) in replaced else ""), flush=True)
     table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
     os.makedirs(args.out, exist_ok=True)
     text = json.dumps(table, indent=1)
