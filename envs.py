@@ -119,10 +119,6 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_MOE_DOWN_PREFETCH": EnvVar(
         True, _flag, "0: the MoE down kernel does not prefetch its experts' rows into L2 while "
         "the up kernel runs (A/B runs)"),
-    "BASTION_MOE_UP_RELEASE_AT_END": EnvVar(
-        False, _flag, "1: the MoE up kernel (a few tokens) lets the down kernel launch only as "
-        "each of its programs ends, not after its wait, so that the down kernel's grid starts "
-        "as the up kernel finishes instead of beside it (A/B runs)"),
     "BASTION_L2_EVICT_FIRST": EnvVar(
         True, _flag, "0: the decode step's matrix-vector and MoE expert kernels read their "
         "weights with L2's normal priority instead of evict-first (A/B runs)"),

@@ -817,36 +817,6 @@ def test_fused_moe_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPat
         fused_moe_triton(x, w13, w2, weights, ids.int(), config={"gemv": _GEMV_TILES})
 
 
-def test_fused_moe_gemv_release_at_end_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``BASTION_MOE_UP_RELEASE_AT_END``: the up kernel lets the down kernel launch only at its
-    end, and only under programmatic launch (which the interpreter cannot run: the launches
-    are recorded, not run)."""
-    from bastion.ops.triton import fused_moe_gemv as g
-
-    ups: list[dict] = []
-
-    class Recorder:
-        def __init__(self, into: list[dict] | None) -> None:
-            self.into = into
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.into is not None and self.into.append(kwargs)
-
-    monkeypatch.setattr(g, "_moe_gemv_up_kernel", Recorder(ups))
-    monkeypatch.setattr(g, "_moe_gemv_down_kernel", Recorder(None))
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 128, generator=gen).bfloat16()
-    w13 = torch.randn(4, 2 * 24, 128, generator=gen).bfloat16()
-    w2 = torch.randn(4, 128, 24, generator=gen).bfloat16()
-    weights, ids = select_experts_ref(torch.randn(1, 4, generator=gen), 2, True)
-    for release, pdl, expected in (("1", 2, True), ("1", 1, True), ("1", 0, False),
-                                   ("0", 2, False)):
-        monkeypatch.setenv("BASTION_MOE_UP_RELEASE_AT_END", release)
-        monkeypatch.setattr(g, "use_pdl", lambda device, pdl=pdl: pdl)
-        g.fused_moe_gemv_triton(x, w13, w2, weights, ids.int(), 0, _GEMV_TILES)
-        assert ups[-1]["RELEASE_AT_END"] is expected, (release, pdl)
-
-
 @pytest.mark.parametrize("rows,n,k,block_k,bias", [
     (1, 40, 96, 32, False), (1, 37, 100, 32, True), (2, 37, 80, 32, True), (3, 16, 64, 64, False),
     (4, 9, 100, 64, True)])
@@ -964,26 +934,13 @@ def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
     _check_attention(q_lens, ctx_lens, 16, 8, 128, 16, num_splits, torch.bfloat16, _DEV, atol=2e-2)
 
 
-# The batch-1 expert kernels' A/B forms at Qwen3-30B-A3B's shapes on the GPU (in the tuned
-# tiles): environment of each.
-_GPU_GEMV_FORMS = {
-    "elementwise": {},
-    "launched at the up kernel's end": {"BASTION_MOE_UP_RELEASE_AT_END": "1"},
-}
-
-
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("num_tokens,form", [(1, form) for form in _GPU_GEMV_FORMS]
-                         + [(8, "elementwise"), (256, "elementwise"), (3000, "elementwise")])
-def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(
-        monkeypatch: pytest.MonkeyPatch, num_tokens: int, form: str) -> None:
+@pytest.mark.parametrize("num_tokens", [1, 8, 256, 3000])
+def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(num_tokens: int) -> None:
     """Qwen3-30B-A3B's expert shapes (128 experts of 768, hidden 2048, top-8) in bf16:
     routing, align and both products captured in one CUDA graph (no host sync anywhere) and
-    replayed on new inputs, against the reference on the same bf16 weights; one token also
-    in each A/B form of the matrix-vector kernels (``_GPU_GEMV_FORMS``)."""
-    for name, value in _GPU_GEMV_FORMS[form].items():
-        monkeypatch.setenv(name, value)
+    replayed on new inputs, against the reference on the same bf16 weights."""
     dev = torch.device("cuda")
     num_experts, inter, hidden, top_k = 128, 768, 2048, 8
     gen = torch.Generator(device=dev).manual_seed(num_tokens)
@@ -1044,9 +1001,8 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     norm, float32 router, routing, both expert kernels), distinct weights per layer, replayed
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
-    L2 (ops/triton/pdl.py), with the weights read evict-first from L2 or not, and in each
-    other A/B form of the matrix-vector kernels (``_GPU_GEMV_FORMS``), give the same bits as
-    the mode of the same arithmetic: only when kernels start and what L2 keeps may change. A
+    L2 (ops/triton/pdl.py), and with the weights read evict-first from L2 or not, give the same
+    bits as the mode of the same arithmetic: only when kernels start and what L2 keeps may change. A
     graph replayed again gives the same bits too. The early modes' one-row products read K in
     one step (``BASTION_GEMV_WHOLE_K``), whose float32 sums run in another order than the
     stepped K of the modes without early release, so they are compared with the first early
@@ -1086,18 +1042,13 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
         trace.append(("out", out))
         return out
 
-    forms = [f for f in _GPU_GEMV_FORMS if f != "elementwise"]
-    modes = dict.fromkeys(("off", "late", "early+prefetch", "early+prefetch, K in steps",
-                           "early+prefetch, normal L2 priority"), "elementwise")
-    modes.update({f"early+prefetch, {form}": form for form in forms})
     # Last, once every other graph has run: the first two graphs replayed again.
-    modes.update(dict.fromkeys(("off, replayed again", "early+prefetch, replayed again"),
-                               "elementwise"))
+    modes = ("off", "late", "early+prefetch", "early+prefetch, K in steps",
+             "early+prefetch, normal L2 priority", "off, replayed again",
+             "early+prefetch, replayed again")
     traces: dict[str, list[tuple[str, torch.Tensor]]] = {}
     graphs = {}  # mode -> (graph, its input kept alive for a later replay, its trace)
-    for mode, form in modes.items():
-        for name in {name for env in _GPU_GEMV_FORMS.values() for name in env}:
-            monkeypatch.setenv(name, _GPU_GEMV_FORMS[form].get(name, ""))
+    for mode in modes:
         monkeypatch.setenv("BASTION_PDL", "0" if mode.startswith("off") else "1")
         monkeypatch.setenv("BASTION_PDL_EARLY", "1" if mode.startswith("early") else "0")
         monkeypatch.setenv("BASTION_L2_PREFETCH", "1")

@@ -17,10 +17,6 @@ Both accumulate elementwise in a ``[BLOCK_N, BLOCK_K]`` float32 tile and reduce 
 end: the products are bound by the weight bytes, which each program reads exactly once. Two
 tokens that chose the same expert read its weights twice, which is why the grouped GEMM takes
 over from a few tokens on (the tuned tables in ``bastion.ops.moe_configs`` say where).
-
-With ``BASTION_MOE_UP_RELEASE_AT_END`` (off by default, for A/B runs) the up kernel lets the
-down kernel launch only as each of its programs ends, so that the down kernel's grid starts as
-the up kernel finishes rather than beside it.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ import triton.language as tl
 
 from bastion import envs
 from bastion.ops.triton.pdl import (evict_policy, prefetch_l2, prefetch_lanes, release_early,
-                                   release_now, use_pdl, use_prefetch, wait_for_previous)
+                                   use_pdl, use_prefetch, wait_for_previous)
 
 
 @triton.jit
@@ -53,13 +49,9 @@ def _moe_gemv_up_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr = "",
-    RELEASE_AT_END: tl.constexpr = False,
 ):
     # Released only after the wait: the down kernel reads the routing's ids before its own.
-    # With RELEASE_AT_END (BASTION_MOE_UP_RELEASE_AT_END) only as the program ends, so that
-    # the down kernel's grid launches as this one finishes (a program that returns early
-    # releases as it exits), not beside it.
-    wait_for_previous(USE_PDL, RELEASE=True, HOLD=RELEASE_AT_END)
+    wait_for_previous(USE_PDL, RELEASE=True)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
     if (expert < 0) | (expert >= num_local):
@@ -90,8 +82,6 @@ def _moe_gemv_up_kernel(
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n,
              act.to(act_ptr.dtype.element_ty), mask=n_ok)
-    if RELEASE_AT_END:
-        release_now(USE_PDL)
 
 
 @triton.jit
@@ -196,7 +186,6 @@ def fused_moe_gemv_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         hidden, w13, act, ids, expert_offset, num_local, inter, hidden_size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], USE_PDL=pdl, EVICT=evict,
-        RELEASE_AT_END=bool(pdl) and envs.get("BASTION_MOE_UP_RELEASE_AT_END"),
         num_warps=up["num_warps"], num_stages=up["num_stages"], launch_pdl=bool(pdl))
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, down["BLOCK_SIZE_N"]))](
         act, w2, out, ids, weights, expert_offset, num_local, hidden_size, inter,

@@ -18,8 +18,7 @@ When a kernel lets the one after it launch is what the chain can prefetch across
   before it run: Qwen3-30B-A3B's o-projection (17 MB) while rotary and attention run, the
   next layer's QKV while the experts stream (into registers when one row's K is at most
   4096, ``ops/triton/gemv.py``; else into L2, ``prefetch_l2``). Only the MoE up kernel
-  releases late: the down kernel after it reads the routing's ids before its wait (with
-  ``BASTION_MOE_UP_RELEASE_AT_END``, only as each of its programs ends). A kernel
+  releases late: the down kernel after it reads the routing's ids before its wait. A kernel
   released early therefore reads nothing before its wait but weights and the step's staged
   metadata (written before the graph runs);
 - in both, every program waits before it ends, or at least program 0 does (a grid must not
@@ -53,22 +52,13 @@ def release_early(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def wait_for_previous(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = False,
-                      HOLD: tl.constexpr = False):
+def wait_for_previous(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = False):
     """Wait for the kernel before this one (its writes visible); in late mode (or with
-    ``RELEASE``, for a kernel whose successor reads before its wait) let the next launch,
-    unless ``HOLD`` (the kernel lets it launch at its end, ``release_now``)."""
+    ``RELEASE``, for a kernel whose successor reads before its wait) let the next launch."""
     if USE_PDL:
         gdc_wait()
-        if ((USE_PDL == 1) | RELEASE) & (not HOLD):
+        if (USE_PDL == 1) | RELEASE:
             gdc_launch_dependents()
-
-
-@triton.jit
-def release_now(USE_PDL: tl.constexpr):
-    """Let the next kernel launch now (a kernel that waited with ``HOLD``, at its end)."""
-    if USE_PDL:
-        gdc_launch_dependents()
 
 
 @triton.jit
