@@ -1002,12 +1002,12 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
     from a CUDA graph: without programmatic dependent launch, with each kernel releasing the
     next after its wait, and releasing it as it starts with the weight tiles prefetched into
     L2 (ops/triton/pdl.py), and with the weights read evict-first from L2 or not, give the same
-    bits as the mode of the same arithmetic: only when kernels start and what L2 keeps may change. A
-    graph replayed again gives the same bits too. The early modes' one-row products read K in
-    one step (``BASTION_GEMV_WHOLE_K``), whose float32 sums run in another order than the
-    stepped K of the modes without early release, so they are compared with the first early
-    mode; the early mode with K in steps (the same sums as without programmatic launch) is
-    compared with the mode without it, so a kernel reading before its wait what the one
+    bits as the mode of the same arithmetic: only when kernels start and what L2 keeps may
+    change. A graph replayed again gives the same bits too. The early modes' one-row products
+    read K in one step (``BASTION_GEMV_WHOLE_K``), whose float32 sums run in another order
+    than the stepped K of the modes without early release, so they are compared with the first
+    early mode; the early mode with K in steps (the same sums as without programmatic launch)
+    is compared with the mode without it, so a kernel reading before its wait what the one
     before it still writes shows in either group. A failure names, per mode, the first kernel
     output (layer and name) whose bits differ."""
     from bastion.ops.linear import gemv
@@ -1042,10 +1042,10 @@ def test_gpu_decode_chain_same_bits_whatever_the_launch_overlap(
         trace.append(("out", out))
         return out
 
-    # Last, once every other graph has run: the first two graphs replayed again.
     modes = ("off", "late", "early+prefetch", "early+prefetch, K in steps",
-             "early+prefetch, normal L2 priority", "off, replayed again",
-             "early+prefetch, replayed again")
+             "early+prefetch, normal L2 priority",
+             # Last, once every other graph has run: the first two graphs replayed again.
+             "off, replayed again", "early+prefetch, replayed again")
     traces: dict[str, list[tuple[str, torch.Tensor]]] = {}
     graphs = {}  # mode -> (graph, its input kept alive for a later replay, its trace)
     for mode in modes:
