@@ -50,6 +50,8 @@
 # Run from the repository root. Wheels for packages the machine lacks (msgspec, pyzmq, gguf,
 # setproctitle) are installed from .whl/ when present; the repository root is made importable
 # as the package `bastion`. Logs go to $OUT/gpu_run.log (or /tmp), a short table comes last.
+# A device call that runs several stages, each with its own environment, sources
+# scripts/gpu_call.sh (each stage's summary and log kept in $OUT, a time bound per call).
 set -u
 OUT=${OUT:-/tmp/bastion-gpu-run}
 mkdir -p "$OUT"
