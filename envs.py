@@ -125,6 +125,10 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_ROTARY_LOADS_FIRST": EnvVar(
         True, _flag, "0: the rotary kernel reads k after storing q and v after storing k "
         "(one round trip to L2 each) instead of all three at once after its wait (A/B runs)"),
+    "BASTION_MOE_ALIGN_RELAXED": EnvVar(
+        False, _flag, "1: the MoE align kernel takes its slots with relaxed CTA-scope atomics "
+        "(no GPU-wide fence around each one; its only program orders them with a barrier) "
+        "instead of Triton's default acq_rel GPU-scope ones (A/B runs)"),
     "BASTION_MOE_GEMV_CONFIG": EnvVar(
         {}, _moe_tiles, "the MoE matrix-vector kernels' tiles instead of the tuned table's: "
         "'up=BLOCK_N,BLOCK_K,num_warps,num_stages;down=...' (either part; A/B runs)"),

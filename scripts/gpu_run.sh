@@ -30,7 +30,8 @@
 # profile; moeenv: batch-1 latency once per environment assignment in $MOE_ENVS, as offenv;
 # moevariants: the same in one process, the decode graphs captured again per variant in
 # $MOE_VARIANTS, in rounds, e.g. MOE_ARGS="--rounds 3 --num-iters 10 --timeline"; moelayout:
-# the batch-1 expert kernels alone over the weights as stored and tiled, beside a stream),
+# the batch-1 expert kernels alone over the weights as stored and tiled, beside a stream;
+# moealign: the MoE align kernel alone with either atomic, beside the whole layer and its floor),
 # gemvtune (the decode-rows matmul: cuBLAS against ops/triton/gemv.py's tiles for
 # the benchmarked models' linear shapes, beside the floor), specbench (a speculative verify
 # step with k = 2, 4 against a decode step, Llama-3.1-8B architecture, batch 1/8/32),
@@ -206,6 +207,8 @@ for s in $STAGES; do
       ${MOE_ARGS:-} ;;
     moelayout) stage moelayout 300 'copy|kernel|[|]|Error|error' -- \
       $PY scripts/bench_moe_layout.py ;;
+    moealign) stage moealign 120 'copy|tokens|^ *[0-9]|Error|error' -- \
+      $PY scripts/bench_moe_align.py ;;
     moevariants) stage moevariants 560 'variant|batch 1|[|]|Error|error' -- \
       $PY scripts/bench_moe.py --model configs/qwen3-30b-a3b --variants ${MOE_VARIANTS:-base} \
       ${MOE_ARGS:-} ;;

@@ -708,29 +708,61 @@ def test_moe_routing_rows_past_the_real_tokens_choose_no_expert(num_tokens: int,
     torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
 
 
+def _check_align(ids: torch.Tensor, block_m: int, num_local: int, expert_offset: int) -> None:
+    """``moe_align_triton``'s output for ``ids``: each local expert's pairs (exactly those,
+    in any order) in a span padded with the sentinel to a multiple of ``block_m``, experts in
+    order, every block of a span naming its expert and the blocks past the end -1."""
+    sorted_ids, block_experts, num_sorted = moe_align_triton(ids, block_m, num_local,
+                                                             expert_offset=expert_offset)
+    flat = ids.reshape(-1).tolist()
+    sorted_ids, block_experts = sorted_ids.tolist(), block_experts.tolist()
+    total = int(num_sorted.item())
+    assert total % block_m == 0 and total <= len(sorted_ids)
+    by_expert: dict[int, list[int]] = {}
+    for p, e in enumerate(flat):
+        by_expert.setdefault(e - expert_offset, []).append(p)
+    at = 0
+    for local in range(num_local):
+        expected = by_expert.get(local, [])
+        rows = -(-len(expected) // block_m) * block_m
+        span = sorted_ids[at:at + rows]
+        assert sorted(p for p in span if p != len(flat)) == expected
+        assert span.count(len(flat)) == rows - len(expected)  # the sentinel pads
+        assert block_experts[at // block_m:(at + rows) // block_m] == [local] * (rows // block_m)
+        at += rows
+    assert at == total
+    assert set(block_experts[total // block_m:]) <= {-1}
+
+
+@pytest.mark.parametrize("relaxed", ["0", "1"])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_moe_align_groups_pairs_by_local_expert_padded_to_the_block(block_m: int) -> None:
+def test_moe_align_groups_pairs_by_local_expert_padded_to_the_block(
+        block_m: int, relaxed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BASTION_MOE_ALIGN_RELAXED", relaxed)
     gen = torch.Generator().manual_seed(5)
     # 8 global experts, this rank holds 2..5; ids outside (and -1: padding rows) go nowhere.
     ids = torch.randint(0, 8, (45, 2), generator=gen, dtype=torch.int32)
     ids[40:] = -1
     ids[ids == 3] = 2  # local expert 1 (global 3) gets no pair
-    sorted_ids, block_experts, num_sorted = moe_align_triton(ids, block_m, 4, expert_offset=2)
-    flat = ids.reshape(-1).tolist()
-    total = int(num_sorted.item())
-    assert total % block_m == 0 and total <= sorted_ids.numel()
-    at = 0
-    for local in range(4):
-        expected = sorted(p for p, e in enumerate(flat) if e == local + 2)
-        rows = -(-len(expected) // block_m) * block_m
-        span = sorted_ids[at:at + rows].tolist()
-        assert sorted(p for p in span if p != len(flat)) == expected
-        assert span.count(len(flat)) == rows - len(expected)  # the sentinel pads
-        assert block_experts[at // block_m:(at + rows) // block_m].tolist() == [local] * (
-            rows // block_m)
-        at += rows
-    assert at == total
-    assert set(block_experts[total // block_m:].tolist()) <= {-1}
+    _check_align(ids, block_m, 4, 2)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("relaxed", ["0", "1"])
+@pytest.mark.parametrize("num_tokens,block_m", [(256, 64), (16384, 128)])
+def test_gpu_moe_align_at_qwen3_30b_shape(num_tokens: int, block_m: int, relaxed: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-30B-A3B's routing (top-8 of 128) at a decode batch and a prefill chunk: the
+    pairs grouped exactly, with the slots taken by either kind of atomic (many programs' worth
+    of pairs race for each expert's cursor)."""
+    monkeypatch.setenv("BASTION_MOE_ALIGN_RELAXED", relaxed)
+    logits = torch.randn(num_tokens, 128, device="cuda",
+                         generator=torch.Generator(device="cuda").manual_seed(num_tokens))
+    ids = logits.topk(8, dim=-1).indices.to(torch.int32)
+    ids[-3:] = -1  # padding rows of a captured batch
+    _check_align(ids, block_m, 128, 0)
+    _check_align(ids, block_m, 64, 64)  # the second of two expert-parallel ranks
 
 
 @pytest.mark.parametrize("num_experts,top_k,num_tokens", [

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion import envs
+
 
 @triton.jit
 def _moe_align_kernel(
@@ -41,6 +43,7 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     CHUNK_B: tl.constexpr,
+    RELAXED: tl.constexpr,
 ):
     bins = tl.arange(0, NUM_BINS)
     counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
@@ -74,7 +77,14 @@ def _moe_align_kernel(
         ok = offs < num_pairs
         e = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32) - expert_offset
         ok = ok & (e >= 0) & (e < NUM_LOCAL)
-        slot = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), 1, mask=ok)
+        if RELAXED:
+            # Only this program touches the cursors, and the barrier above orders their
+            # stores before these: no fence is needed (Triton's default, acq_rel at GPU scope,
+            # puts MEMBAR.GPU before and an L1 invalidate after each atomic in sm_90 SASS).
+            slot = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), 1, mask=ok, sem="relaxed",
+                                 scope="cta")
+        else:
+            slot = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), 1, mask=ok)
         tl.store(sorted_ptr + slot, offs, mask=ok)
 
 
@@ -107,5 +117,5 @@ def moe_align_triton(topk_ids: torch.Tensor, block_m: int, num_local_experts: in
         topk_ids, sorted_ids, block_experts, num_sorted, cursor, num_pairs, expert_offset,
         max_sorted, max_blocks, NUM_LOCAL=num_local_experts, NUM_BINS=num_bins,
         BLOCK_M=block_m, CHUNK=chunk, CHUNK_B=max(16, 8192 // num_bins),
-        num_warps=8 if chunk == 1024 else 16)
+        RELAXED=envs.get("BASTION_MOE_ALIGN_RELAXED"), num_warps=8 if chunk == 1024 else 16)
     return sorted_ids, block_experts, num_sorted

@@ -1,0 +1,24 @@
+# H200 (needs_h200), session 40's plan: gpu_s39/h200.sh's stages with the align A/B after the
+# baseline; each stage starts only if it can end within $T seconds of the call's start:
+# b both targets + the offline phase table (baseline); g the MoE align kernel alone with either
+# atomic, beside the layer (bench_moe_align.py); r the offline runs again with
+# BASTION_MOE_ALIGN_RELAXED=1; c the GPU suite (the align tests at Qwen3-30B-A3B's routing with
+# either atomic); a the 16,384-token prefill retune (timed against the committed entry); d the
+# dense Qwen3-0.6B offline check. A second call with the stages left: S="a d" (or "c a d");
+# on an H100 (the nano-vllm shape does not fit its K/V), S="g c".
+T=${T:-560}
+S=${S:-b g r c a d}
+. scripts/gpu_call.sh
+for s in $S; do
+  case $s in
+    b) call_stage b 260 moe MOE_ARGS="--offline --latency --num-iters 10" ;;
+    g) call_stage g 90 moealign ;;
+    r) call_stage r 150 moe MOE_ARGS="--offline" BASTION_MOE_ALIGN_RELAXED=1 ;;
+    c) call_stage c 150 tests ;;
+    a) call_stage a 100 moetune \
+         MOE_TUNE_ARGS="--tokens 16384 --block-ms 128 --iters 5 --update --install" \
+         && cp "$MOE_TABLE" "$OUT/tuned.json" ;;
+    d) call_stage d 70 offline ;;
+  esac
+done
+call_show $S
