@@ -125,6 +125,10 @@ VARIABLES: dict[str, EnvVar] = {
     "BASTION_ROTARY_LOADS_FIRST": EnvVar(
         True, _flag, "0: the rotary kernel reads k after storing q and v after storing k "
         "(one round trip to L2 each) instead of all three at once after its wait (A/B runs)"),
+    "BASTION_MOE_GROUPED_PDL": EnvVar(
+        False, _flag, "1: the grouped-GEMM MoE path (align, both products, the top-k sum: "
+        "batches past the matrix-vector kernels' few tokens) launches with programmatic "
+        "dependent launch like the decode kernels around it (ops/triton/pdl.py; A/B runs)"),
     "BASTION_MOE_ALIGN_RELAXED": EnvVar(
         False, _flag, "1: the MoE align kernel takes its slots with relaxed CTA-scope atomics "
         "(no GPU-wide fence around each one; its only program orders them with a barrier) "

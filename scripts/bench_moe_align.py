@@ -7,9 +7,11 @@ with atomics that Triton fences at GPU scope by default (``MEMBAR.GPU`` before e
 invalidate after, in sm_90 SASS); ``BASTION_MOE_ALIGN_RELAXED=1`` takes them relaxed at CTA
 scope. For each token count that the tuned table gives to the grouped GEMM (Qwen3-30B-A3B's
 experts, top-8 of 128, uniform routing), this prints the align kernel alone with either
-atomic, and the whole layer (align, both products, the top-k sum) with the default, beside the
-layer's floor: the bytes of the experts the tokens reach over the copy bandwidth measured in
-the same run. Each is replayed from a CUDA graph.
+atomic, and the whole layer (align, both products, the top-k sum) with the defaults and with
+both switches on (the relaxed atomics, and ``BASTION_MOE_GROUPED_PDL=1``: the four kernels
+launched programmatically behind one another), beside the layer's floor: the bytes of the
+experts the tokens reach over the copy bandwidth measured in the same run. Each is replayed
+from a CUDA graph.
 
     python scripts/bench_moe_align.py
 """
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; E={num_experts} "
           f"N={inter} K={hidden} top-{top_k}, {expert_bytes / 1e6:.1f} MB per expert")
     print(f"{'tokens':>6} {'BM':>4} | {'align us':>9} {'relaxed':>8} | {'layer us':>9} "
-          f"{'floor us':>9} {'align share':>11}")
+          f"{'both on':>8} {'floor us':>9} {'align share':>11}")
     for num_tokens in args.tokens:
         config = get_moe_config(num_experts, inter, hidden, num_tokens, top_k, torch.bfloat16)
         if "gemv" in config:
@@ -69,12 +71,15 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["BASTION_MOE_ALIGN_RELAXED"] = relaxed
             align[relaxed] = time_graph(
                 [functools.partial(moe_align_triton, ids, block_m, num_experts)], args.replays)
-        os.environ["BASTION_MOE_ALIGN_RELAXED"] = "0"
-        layer = time_graph([functools.partial(fused_moe_triton, x, w13, w2, weights, ids)],
-                           args.replays)
+        layer = {}
+        for on in ("0", "1"):
+            os.environ["BASTION_MOE_ALIGN_RELAXED"] = os.environ["BASTION_MOE_GROUPED_PDL"] = on
+            layer[on] = time_graph(
+                [functools.partial(fused_moe_triton, x, w13, w2, weights, ids)], args.replays)
         floor = ids.unique().numel() * expert_bytes / bw * 1e6
         print(f"{num_tokens:>6} {block_m:>4} | {align['0']:>9.1f} {align['1']:>8.1f} | "
-              f"{layer:>9.1f} {floor:>9.1f} {align['0'] / layer:>10.0%}")
+              f"{layer['0']:>9.1f} {layer['1']:>8.1f} {floor:>9.1f} "
+              f"{align['0'] / layer['0']:>10.0%}")
     return 0
 
 

@@ -968,11 +968,16 @@ def test_gpu_attention_decode_qwen3_shape(num_splits: int | None) -> None:
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("grouped_pdl", ["0", "1"])
 @pytest.mark.parametrize("num_tokens", [1, 8, 256, 3000])
-def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(num_tokens: int) -> None:
+def test_gpu_fused_moe_qwen3_30b_shape_bf16_under_a_graph(
+        num_tokens: int, grouped_pdl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3-30B-A3B's expert shapes (128 experts of 768, hidden 2048, top-8) in bf16:
     routing, align and both products captured in one CUDA graph (no host sync anywhere) and
-    replayed on new inputs, against the reference on the same bf16 weights."""
+    replayed on new inputs, against the reference on the same bf16 weights; with
+    ``grouped_pdl`` the grouped path's kernels (from 8 tokens) launch programmatically
+    behind the routing kernel and one another."""
+    monkeypatch.setenv("BASTION_MOE_GROUPED_PDL", grouped_pdl)
     dev = torch.device("cuda")
     num_experts, inter, hidden, top_k = 128, 768, 2048, 8
     gen = torch.Generator(device=dev).manual_seed(num_tokens)

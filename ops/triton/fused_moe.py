@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import release_early, use_grouped_moe_pdl, wait_for_previous
+
 
 @triton.jit
 def dot_acc(a, b, acc, IEEE: tl.constexpr):
@@ -57,7 +59,10 @@ def _fused_moe_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
+    wait_for_previous(USE_PDL)  # every program, before it may return below
     # Grouped order: GROUP_M row blocks share each column block, so one expert's weight tile
     # is read by neighbouring programs while it is still in L2.
     pid = tl.program_id(0)
@@ -136,14 +141,15 @@ def fused_moe_gemm_triton(a: torch.Tensor, weight: torch.Tensor, out: torch.Tens
     max_sorted = sorted_ids.numel()
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
     grid = (triton.cdiv(max_sorted, bm) * triton.cdiv(n, bn),)
+    pdl = use_grouped_moe_pdl(a.device)
     _fused_moe_kernel[grid](
         a, weight, out, topk_weights if topk_weights is not None else out, sorted_ids,
         block_experts, num_sorted, num_pairs, n, k, max_sorted, a.stride(0), weight.stride(0),
         weight.stride(1), out.stride(0), A_ROW_DIV=top_k if gated else 1, GATED=gated,
         MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k % bk == 0,
         IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=config["GROUP_SIZE_M"], num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
+        GROUP_M=config["GROUP_SIZE_M"], USE_PDL=pdl, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], launch_pdl=bool(pdl))
     return out
 
 

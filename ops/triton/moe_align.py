@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from bastion import envs
+from bastion.ops.triton.pdl import release_early, use_grouped_moe_pdl, wait_for_previous
 
 
 @triton.jit
@@ -44,7 +45,10 @@ def _moe_align_kernel(
     CHUNK: tl.constexpr,
     CHUNK_B: tl.constexpr,
     RELAXED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    release_early(USE_PDL)
+    wait_for_previous(USE_PDL)
     bins = tl.arange(0, NUM_BINS)
     counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -113,9 +117,11 @@ def moe_align_triton(topk_ids: torch.Tensor, block_m: int, num_local_experts: in
     num_bins = triton.next_power_of_2(num_local_experts + 1)
     cursor = torch.empty(num_bins, dtype=torch.int32, device=device)
     chunk = 1024 if num_pairs <= 4096 else 4096
+    pdl = use_grouped_moe_pdl(device)
     _moe_align_kernel[(1,)](
         topk_ids, sorted_ids, block_experts, num_sorted, cursor, num_pairs, expert_offset,
         max_sorted, max_blocks, NUM_LOCAL=num_local_experts, NUM_BINS=num_bins,
         BLOCK_M=block_m, CHUNK=chunk, CHUNK_B=max(16, 8192 // num_bins),
-        RELAXED=envs.get("BASTION_MOE_ALIGN_RELAXED"), num_warps=8 if chunk == 1024 else 16)
+        RELAXED=envs.get("BASTION_MOE_ALIGN_RELAXED"), USE_PDL=pdl,
+        num_warps=8 if chunk == 1024 else 16, launch_pdl=bool(pdl))
     return sorted_ids, block_experts, num_sorted

@@ -12,9 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from bastion.ops.triton.pdl import release_early, use_grouped_moe_pdl, wait_for_previous
+
 
 @triton.jit
-def _moe_sum_kernel(x_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(x_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    release_early(USE_PDL)
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -34,6 +39,8 @@ def moe_sum_triton(x: torch.Tensor) -> torch.Tensor:
     if num_tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(hidden))
+    pdl = use_grouped_moe_pdl(x.device)
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        x, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4)
+        x, out, hidden, TOP_K=top_k, BLOCK=block, USE_PDL=pdl, num_warps=4,
+        launch_pdl=bool(pdl))
     return out

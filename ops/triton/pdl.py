@@ -83,6 +83,14 @@ def use_pdl(device: torch.device) -> int:
     return 2 if envs.get("BASTION_PDL_EARLY") else 1
 
 
+def use_grouped_moe_pdl(device: torch.device) -> int:
+    """``use_pdl`` for the grouped-GEMM MoE path (``moe_align``, ``fused_moe``, ``moe_sum``)
+    where ``BASTION_MOE_GROUPED_PDL`` asks for it, else 0. Each of those kernels waits before
+    its first read, so in either mode it reads nothing early: the gain is the launch and the
+    programs' ramp hidden behind the kernel before."""
+    return use_pdl(device) if envs.get("BASTION_MOE_GROUPED_PDL") else 0
+
+
 def evict_policy(device: torch.device) -> str:
     """The L2 policy of a decode step's weight loads in the matrix-vector and MoE expert kernels:
     ``evict_first``, since each is read once a step and should not push out what is read again
