@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     p.add_argument("--replays", type=int, default=20)
     args = p.parse_args(argv)
+    from bastion.ops.moe import select_experts_ref
     from bastion.ops.moe_configs import get_moe_config
     from bastion.ops.triton.fused_moe import fused_moe_triton
     from bastion.ops.triton.moe_align import moe_align_triton
@@ -63,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         block_m = config["BLOCK_SIZE_M"]
         logits = torch.randn(num_tokens, num_experts, device=dev, generator=gen)
-        weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
-        weights, ids = (weights / weights.sum(-1, keepdim=True)), ids.to(torch.int32)
+        weights, ids = select_experts_ref(logits, top_k, True)
+        ids = ids.to(torch.int32)
         x = torch.randn(num_tokens, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
         align = {}
         for relaxed in ("0", "1"):

@@ -81,14 +81,14 @@ def _moe_align_kernel(
         ok = offs < num_pairs
         e = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32) - expert_offset
         ok = ok & (e >= 0) & (e < NUM_LOCAL)
+        cursors = cursor_ptr + tl.where(ok, e, 0)
         if RELAXED:
             # Only this program touches the cursors, and the barrier above orders their
             # stores before these: no fence is needed (Triton's default, acq_rel at GPU scope,
             # puts MEMBAR.GPU before and an L1 invalidate after each atomic in sm_90 SASS).
-            slot = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), 1, mask=ok, sem="relaxed",
-                                 scope="cta")
+            slot = tl.atomic_add(cursors, 1, mask=ok, sem="relaxed", scope="cta")
         else:
-            slot = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), 1, mask=ok)
+            slot = tl.atomic_add(cursors, 1, mask=ok)
         tl.store(sorted_ptr + slot, offs, mask=ok)
 
 
